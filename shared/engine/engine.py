@@ -1,0 +1,227 @@
+"""LLMEngine: the model runner used by prefill and decode.
+
+Life cycle of a request:
+  add_request -> WAITING -> (scheduler admits, allocates blocks) RUNNING
+  -> each step computes a prefill chunk or one decode token; reaching the last token
+     samples the next one -> output processor (detokenize, stop checks)
+  -> FINISHED (blocks freed; a prefill-only request keeps them until release()).
+
+Phases of a step: schedule -> prepare (flat batch + attention metadata) -> run_model ->
+sample -> postprocess.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass
+
+import torch
+
+from .block_pool import BlockPool
+from .config import EngineConfig
+from .loader import load_config, load_weights
+from .model import BatchMeta, Model, SeqSpan
+from .output import OutputProcessor, RequestOutput
+from .sampling import SampleInput, sample
+from .scheduler import Scheduled, Scheduler
+from .sequence import Sequence
+
+
+@dataclass(slots=True)
+class _Req:
+    seq: Sequence
+    proc: OutputProcessor
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig, tokenizer="auto"):
+        """tokenizer: "auto" loads the folder's tokenizer; None serves token ids only
+        (no text, no stop strings); or pass a shared Tokenizer."""
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.cfg = cfg
+        self.model_cfg = load_config(cfg.model)
+        if tokenizer == "auto":
+            from .tokenizer import Tokenizer
+            tokenizer = Tokenizer.from_pretrained(cfg.model)
+        self.tokenizer = tokenizer
+        weights = load_weights(cfg.model, self.model_cfg, cfg.torch_dtype)
+        self.model = Model(self.model_cfg, weights, cfg.torch_dtype)
+        mc = self.model_cfg
+        self.max_model_len = min(cfg.max_model_len or mc.max_position, mc.max_position)
+        block_bytes = (mc.num_layers * 2 * cfg.block_size * mc.num_kv_heads * mc.head_dim
+                       * torch.tensor([], dtype=cfg.torch_dtype).element_size())
+        num_blocks = cfg.num_blocks or max(1, cfg.kv_cache_bytes // block_bytes)
+        # kv: [layers, 2, blocks, block_size, Hkv, D]
+        self.kv = torch.zeros(mc.num_layers, 2, num_blocks, cfg.block_size, mc.num_kv_heads,
+                              mc.head_dim, dtype=cfg.torch_dtype)
+        self.pool = BlockPool(num_blocks, cfg.block_size)
+        self.scheduler = Scheduler(cfg, self.pool)
+        self.requests: dict[str, _Req] = {}
+        self._arrival = itertools.count()
+        self._rng = random.Random()
+
+    # ---- requests -----------------------------------------------------------------
+    def check_request(self, prompt_ids: list[int], params) -> None:
+        """ValueError with the numbers when a request can never be served."""
+        params.check(self.model_cfg.vocab_size)
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in prompt_ids if not 0 <= t < self.model_cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {self.model_cfg.vocab_size}): {bad[:5]}")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds the context window of {self.max_model_len} tokens")
+        if self.pool.blocks_for(total) > self.pool.num_blocks:
+            raise ValueError(
+                f"request needs {self.pool.blocks_for(total)} KV blocks; the pool has "
+                f"{self.pool.num_blocks}")
+
+    def _new_seq(self, request_id, prompt_ids, params) -> Sequence:
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        self.check_request(prompt_ids, params)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        seq = Sequence(request_id, list(prompt_ids), params, seed, next(self._arrival))
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        detok = None
+        if self.tokenizer is not None:
+            from .tokenizer import IncrementalDetokenizer
+            detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids)
+        eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
+        proc = OutputProcessor(params, eos, detok, self.max_model_len, len(prompt_ids))
+        self.requests[request_id] = _Req(seq, proc)
+        return seq
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params,
+                    prefill_only: bool = False) -> None:
+        seq = self._new_seq(request_id, prompt_ids, params)
+        seq.stop_after_prefill = prefill_only
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.finish(req.seq, "abort")
+        return RequestOutput(request_id, [], finished=True, finish_reason="abort",
+                             num_prompt_tokens=len(req.seq.prompt_ids),
+                             num_output_tokens=len(req.seq.output_ids))
+
+    def release(self, request_id: str) -> None:
+        """Free the blocks a finished prefill-only request kept."""
+        req = self.requests.pop(request_id)
+        if req.seq.block_table:
+            self.pool.free(req.seq.block_table)
+            req.seq.block_table = []
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- one step -----------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        input_ids, meta, sampled = self.prepare(batch)
+        logits = self.model.forward(input_ids, meta, self.kv)
+        return self.postprocess(batch, sampled, logits)
+
+    def prepare(self, batch: list[Scheduled]):
+        """Flat batch: single-token rows first (batched paged attention), then chunks."""
+        bs = self.cfg.block_size
+        det = self.cfg.deterministic
+        decode = [] if det else [s for s in batch if s.n == 1]
+        chunks = [s for s in batch if det or s.n != 1]
+        ids, pos, slots, spans, rows, sampled = [], [], [], [], [], []
+        row = 0
+        for s, is_chunk in [(s, False) for s in decode] + [(s, True) for s in chunks]:
+            seq = s.seq
+            p = list(range(s.start, s.start + s.n))
+            ids += [seq.token_at(i) for i in p]
+            pos += p
+            slots += [seq.block_table[i // bs] * bs + i % bs for i in p]
+            if is_chunk:
+                ctx = s.start + s.n
+                bt = torch.tensor(seq.block_table, dtype=torch.long)
+                ctx_slots = (bt.unsqueeze(1) * bs + torch.arange(bs)).flatten()[:ctx]
+                spans.append(SeqSpan(row, s.n, ctx, ctx_slots))
+            row += s.n
+            if s.samples:
+                rows.append(row - 1)
+                sampled.append(s)
+        meta = BatchMeta(positions=torch.tensor(pos), slot_mapping=torch.tensor(slots),
+                         spans=spans, logits_rows=torch.tensor(rows, dtype=torch.long))
+        if decode:
+            nb = max(len(s.seq.block_table) for s in decode)
+            meta.num_decode = len(decode)
+            meta.block_tables = torch.tensor(
+                [s.seq.block_table + [0] * (nb - len(s.seq.block_table)) for s in decode],
+                dtype=torch.int32)
+            meta.context_lens = torch.tensor([s.start + 1 for s in decode], dtype=torch.int32)
+        if det:  # fixed shapes: pad rows and the LM head's M
+            pad = self.cfg.max_num_batched_tokens - row
+            ids += [0] * pad
+            meta.positions = torch.cat([meta.positions, torch.zeros(pad, dtype=torch.long)])
+            meta.slot_mapping = torch.cat([meta.slot_mapping, torch.full((pad,), -1)])
+            meta.pad_logits_to = self.cfg.max_num_seqs
+        return torch.tensor(ids, dtype=torch.long), meta, sampled
+
+    def postprocess(self, batch, sampled, logits) -> list[RequestOutput]:
+        for s in batch:
+            s.seq.num_computed = s.start + s.n
+        inputs = []
+        for s in sampled:
+            seq, proc = s.seq, self.requests[s.seq.request_id].proc
+            inputs.append(SampleInput(seq.params, seq.seed, seq.num_tokens, seq.prompt_ids,
+                                      seq.output_ids, banned=proc.banned(len(seq.output_ids))))
+        outs = []
+        for s, res in zip(sampled, sample(logits, inputs)):
+            outs.append(self.append_token(s.seq, res.token, res))
+        return outs
+
+    def append_token(self, seq: Sequence, token: int, res=None) -> RequestOutput:
+        """Record a sampled token and run stop checks (also used for a remote first token)."""
+        proc = self.requests[seq.request_id].proc
+        seq.output_ids.append(token)
+        text, reason, stop_reason = proc.process(token, len(seq.output_ids))
+        if reason is None and seq.stop_after_prefill:
+            reason = "prefill_done"
+        out = RequestOutput(seq.request_id, [token], text, reason is not None, reason, stop_reason,
+                            num_prompt_tokens=len(seq.prompt_ids),
+                            num_output_tokens=len(seq.output_ids))
+        if res is not None and res.logprob is not None:
+            out.logprobs.append((token, res.logprob, res.top_logprobs))
+        if reason is not None:
+            keep = seq.stop_after_prefill
+            self.scheduler.finish(seq, reason, keep_blocks=keep)
+            if not keep:
+                del self.requests[seq.request_id]
+        return out
+
+    # ---- convenience --------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params) -> list[dict]:
+        """Run prompts to completion (tests, benchmarks); returns token ids and text."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{next(self._arrival)}" for _ in prompts]
+        results = {i: {"token_ids": [], "text": "", "finish_reason": None} for i in ids}
+        for rid, p, sp in zip(ids, prompts, params_list):
+            self.add_request(rid, p, sp)
+        while self.has_unfinished:
+            for o in self.step():
+                r = results[o.request_id]
+                r["token_ids"] += o.new_token_ids
+                r["text"] += o.text
+                if o.finished:
+                    r["finish_reason"] = o.finish_reason
+        return [results[i] for i in ids]
+
+    def stats(self) -> dict:
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "blocks_free": self.pool.num_free, "blocks_used": self.pool.num_used,
+                "blocks_total": self.pool.num_blocks}

@@ -1,0 +1,162 @@
+"""Checkpoint loading: a local Llama/Qwen2-family HF folder -> ModelConfig + weights.
+
+Config comes through transformers' AutoConfig; weights straight from safetensors (one
+file or a sharded index). Everything is validated up front, so a bad checkpoint fails
+with a message that names what is wrong instead of a shape error mid-forward.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+
+class CheckpointError(ValueError):
+    """The folder is not a checkpoint this engine can serve."""
+
+
+# architecture -> whether q/k/v projections carry a bias by default
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": False,
+    "MistralForCausalLM": False,
+    "Qwen2ForCausalLM": True,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    hf_config: object  # the transformers config, for RoPE parameters
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise CheckpointError(
+                f"num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path}: no config.json (not a Hugging Face model folder)")
+    try:
+        hf = AutoConfig.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001 - surface transformers' reason
+        raise CheckpointError(f"{path}: config.json cannot be read: {e}") from e
+    archs = list(getattr(hf, "architectures", None) or [])
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise CheckpointError(
+            f"{path}: unsupported architecture {archs or hf.model_type!r}; "
+            f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+    for unsupported in ("sliding_window",):
+        if getattr(hf, "use_sliding_window", False) and getattr(hf, unsupported, None):
+            raise CheckpointError(f"{path}: sliding-window attention is not supported")
+    num_heads = hf.num_attention_heads
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // num_heads,
+        rms_norm_eps=hf.rms_norm_eps,
+        max_position=hf.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        attention_bias=bool(getattr(hf, "attention_bias", SUPPORTED_ARCHITECTURES[arch])),
+        hf_config=hf,
+    )
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the forward reads, with its shape."""
+    H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (cfg.vocab_size, H),
+        "model.norm.weight": (H,),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, H)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (H,),
+            p + "post_attention_layernorm.weight": (H,),
+            p + "self_attn.q_proj.weight": (cfg.q_size, H),
+            p + "self_attn.k_proj.weight": (cfg.kv_size, H),
+            p + "self_attn.v_proj.weight": (cfg.kv_size, H),
+            p + "self_attn.o_proj.weight": (H, cfg.num_heads * D),
+            p + "mlp.gate_proj.weight": (I, H),
+            p + "mlp.up_proj.weight": (I, H),
+            p + "mlp.down_proj.weight": (H, I),
+        }
+        if cfg.attention_bias:
+            shapes |= {
+                p + "self_attn.q_proj.bias": (cfg.q_size,),
+                p + "self_attn.k_proj.bias": (cfg.kv_size,),
+                p + "self_attn.v_proj.bias": (cfg.kv_size,),
+            }
+    return shapes
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise CheckpointError(f"{path}: shards listed in the index are missing: {missing}")
+        return [path / s for s in shards]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    path = Path(path)
+    want = expected_shapes(cfg)
+    got: dict[str, torch.Tensor] = {}
+    for f in _weight_files(path):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                if name in want:
+                    got[name] = st.get_tensor(name).to(dtype)
+    if cfg.tie_word_embeddings:
+        got.pop("lm_head.weight", None)
+    missing = sorted(set(want) - set(got))
+    if missing:
+        more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise CheckpointError(f"{path}: missing tensors: {missing[:5]}{more}")
+    for name, shape in want.items():
+        if tuple(got[name].shape) != shape:
+            raise CheckpointError(
+                f"{path}: tensor {name} has shape {tuple(got[name].shape)}, "
+                f"config implies {shape}")
+    return got

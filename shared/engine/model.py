@@ -1,0 +1,152 @@
+"""Llama/Qwen2-family forward pass over a paged KV pool.
+
+One forward takes a flat batch of T token rows drawn from several sequences (prefill
+chunks and decode tokens mixed), writes each row's K/V into its slot, and attends each
+row over its sequence's blocks. Linear layers run on the whole flat batch.
+
+Batch invariance (deterministic mode): a GEMM row's result depends on the GEMM's M on
+this CPU, but not on the other rows' values or on the row's position. So in deterministic
+mode the caller pads every forward to a fixed number of rows, and attention runs per
+sequence on exactly that sequence's context; a request's logits are then the same
+whatever else is in the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from kernels.kv_cache import write_kv
+from kernels.paged_attention import paged_attention_decode
+
+from .loader import ModelConfig
+from .rope import rope_cos_sin
+
+
+@dataclass(slots=True)
+class SeqSpan:
+    """Rows [start, start + n) of the flat batch belong to one sequence whose context
+    (after this step) is positions [0, context_len)."""
+    start: int
+    n: int
+    context_len: int
+    ctx_slots: torch.Tensor  # [context_len] int64 flat slots of positions 0..context_len-1
+
+
+@dataclass(slots=True)
+class BatchMeta:
+    positions: torch.Tensor      # [T] int64
+    slot_mapping: torch.Tensor   # [T] int64, -1 for padding rows
+    # leading decode rows attended in one batched paged-attention call
+    num_decode: int = 0
+    block_tables: torch.Tensor | None = None   # [num_decode, max_blocks] int32
+    context_lens: torch.Tensor | None = None   # [num_decode] int32
+    spans: list[SeqSpan] = field(default_factory=list)  # everything else, per sequence
+    logits_rows: torch.Tensor | None = None    # [S] rows whose logits are wanted
+    pad_logits_to: int = 0                      # deterministic mode: fixed lm_head M
+
+
+class Layer:
+    __slots__ = ("ln1", "ln2", "qkv_w", "qkv_b", "o_w", "gate_up_w", "down_w")
+
+
+class Model:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.scale = cfg.head_dim ** -0.5
+        self.embed = weights["model.embed_tokens.weight"]
+        self.norm = weights["model.norm.weight"]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
+        self.layers: list[Layer] = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            w = lambda n: weights[p + n]  # noqa: E731
+            L = Layer()
+            L.ln1, L.ln2 = w("input_layernorm.weight"), w("post_attention_layernorm.weight")
+            # fused projections: one GEMM for q|k|v and one for gate|up
+            L.qkv_w = torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
+                                 w("self_attn.v_proj.weight")]).contiguous()
+            L.qkv_b = (torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"),
+                                  w("self_attn.v_proj.bias")]) if cfg.attention_bias else None)
+            L.o_w = w("self_attn.o_proj.weight")
+            L.gate_up_w = torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]).contiguous()
+            L.down_w = w("mlp.down_proj.weight")
+            self.layers.append(L)
+        self.cos, self.sin = rope_cos_sin(cfg, dtype)  # [max_position, D]
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads: every layer, the final norm and the
+        LM head (an untied embedding table is only indexed, one row per token)."""
+        tensors = [self.norm, self.lm_head] + [
+            getattr(L, a) for L in self.layers for a in Layer.__slots__]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
+        return w * xf.to(x.dtype)
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [T, heads, D]; cos/sin: [T, 1, D]
+        half = x.shape[-1] // 2
+        rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rot * sin
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, meta: BatchMeta, kv: torch.Tensor) -> torch.Tensor:
+        """input_ids: [T]; kv: [layers, 2, blocks, block_size, Hkv, D]. Returns logits
+        [S, V] (float32) for meta.logits_rows."""
+        cfg = self.cfg
+        T = input_ids.shape[0]
+        Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h = F.embedding(input_ids, self.embed)                       # [T, H]
+        cos = self.cos[meta.positions].unsqueeze(1)                 # [T, 1, D]
+        sin = self.sin[meta.positions].unsqueeze(1)
+        for li, L in enumerate(self.layers):
+            x = self.rms_norm(h, L.ln1)
+            qkv = F.linear(x, L.qkv_w, L.qkv_b)                      # [T, (Hq+2Hkv)*D]
+            q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+            q = self.rope(q.view(T, Hq, D), cos, sin)
+            k = self.rope(k.view(T, Hkv, D), cos, sin)
+            v = v.view(T, Hkv, D)
+            k_cache, v_cache = kv[li, 0], kv[li, 1]
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            o = self.attention(q, k_cache, v_cache, meta)            # [T, Hq, D]
+            h = h + F.linear(o.reshape(T, Hq * D), L.o_w)
+            x = self.rms_norm(h, L.ln2)
+            gate, up = F.linear(x, L.gate_up_w).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, L.down_w)
+        rows = h if meta.logits_rows is None else h[meta.logits_rows]
+        S = rows.shape[0]
+        if meta.pad_logits_to > S:  # fixed lm_head shape: batch-invariant logits
+            rows = torch.cat([rows, rows.new_zeros(meta.pad_logits_to - S, rows.shape[1])])
+        return F.linear(self.rms_norm(rows, self.norm), self.lm_head)[:S].float()
+
+    def attention(self, q, k_cache, v_cache, meta: BatchMeta) -> torch.Tensor:
+        out = torch.zeros_like(q)
+        nd = meta.num_decode
+        if nd:
+            out[:nd] = paged_attention_decode(q[:nd], k_cache, v_cache, meta.block_tables,
+                                              meta.context_lens, self.scale)
+        if not meta.spans:
+            return out
+        Hkv, D = self.cfg.num_kv_heads, self.cfg.head_dim
+        kf, vf = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)
+        for s in meta.spans:
+            qs = q[s.start:s.start + s.n].transpose(0, 1).unsqueeze(0)     # [1, Hq, n, D]
+            ks = kf[s.ctx_slots].transpose(0, 1).unsqueeze(0)              # [1, Hkv, ctx, D]
+            vs = vf[s.ctx_slots].transpose(0, 1).unsqueeze(0)
+            if s.n == 1:
+                mask, causal = None, False
+            elif s.n == s.context_len:
+                mask, causal = None, True
+            else:  # a later chunk: row i sees positions <= ctx - n + i
+                qpos = torch.arange(s.context_len - s.n, s.context_len).unsqueeze(1)
+                mask, causal = torch.arange(s.context_len).unsqueeze(0) <= qpos, False
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal,
+                                               scale=self.scale, enable_gqa=True)
+            out[s.start:s.start + s.n] = o[0].transpose(0, 1)
+        return out

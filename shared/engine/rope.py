@@ -1,0 +1,35 @@
+"""Rotary position embedding tables, computed the way transformers does for the config
+(default, linear, dynamic, yarn, llama3, ... via transformers' own init functions)."""
+from __future__ import annotations
+
+import torch
+
+from .loader import CheckpointError, ModelConfig
+
+
+def inv_freq_and_scaling(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    hf = cfg.hf_config
+    params = getattr(hf, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+        D = cfg.head_dim
+        inv = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
+        return inv, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise CheckpointError(f"unsupported rope_type {rope_type!r}")
+    if rope_type == "dynamic":
+        raise CheckpointError("dynamic NTK RoPE changes with sequence length; not supported")
+    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
+    return inv.float(), float(scaling)
+
+
+def rope_cos_sin(cfg: ModelConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [max_position, head_dim], in the model dtype (as transformers casts them)."""
+    inv, scaling = inv_freq_and_scaling(cfg)
+    t = torch.arange(cfg.max_position, dtype=torch.float32)
+    freqs = torch.outer(t, inv)                      # [P, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)          # [P, D]
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)

@@ -1,0 +1,128 @@
+"""Continuous batching: which sequences compute how many tokens in the next step.
+
+Pure bookkeeping (no tensors, no I/O). Each step:
+  1. running sequences first, oldest first: decodes take one row, unfinished prompts a
+     chunk; blocks are grown as needed, preempting the newest sequence (its blocks are
+     freed and it recomputes later) when the pool is short;
+  2. then waiting sequences, FIFO, while rows, sequence slots and blocks allow.
+Requests join and leave between steps.
+
+Deterministic mode keeps every shape a sequence sees independent of its neighbours:
+prefill chunks are aligned to multiples of chunk_size and never split by the row
+budget, and a sequence is admitted only with blocks for its whole budget
+(prompt + max_tokens) so it is never preempted and recomputed.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .block_pool import BlockPool
+from .config import EngineConfig
+from .sequence import SeqStatus, Sequence
+
+
+@dataclass(slots=True)
+class Scheduled:
+    seq: Sequence
+    start: int      # first position computed this step (== seq.num_computed)
+    n: int          # tokens computed this step
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the sequence's last token (so a token is sampled)."""
+        return self.start + self.n == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, pool: BlockPool):
+        self.cfg = cfg
+        self.pool = pool
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence that already owns blocks with its prompt KV (remote prefill)."""
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        C = self.cfg.chunk_size
+        if self.cfg.deterministic:
+            n = min(seq.remaining, C - seq.num_computed % C)
+            return n if n <= budget else 0
+        return min(seq.remaining, C, budget)
+
+    def _blocks_needed(self, seq: Sequence, upto: int) -> int:
+        return max(0, self.pool.blocks_for(upto) - len(seq.block_table))
+
+    def _reserve_tokens(self, seq: Sequence, n: int) -> int:
+        if self.cfg.deterministic:  # whole budget up front: never preempted
+            return len(seq.prompt_ids) + seq.params.max_tokens
+        return seq.num_computed + n
+
+    def schedule(self) -> list[Scheduled]:
+        budget = self.cfg.max_num_batched_tokens
+        out: list[Scheduled] = []
+        for seq in list(self.running):
+            if seq not in self.running:   # preempted below by an older sequence
+                continue
+            n = self._chunk(seq, budget)
+            if n == 0:
+                continue
+            need = self._blocks_needed(seq, seq.num_computed + n)
+            while need > self.pool.num_free:
+                victim = self.running[-1]
+                self.preempt(victim)
+                out = [s for s in out if s.seq is not victim]
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            seq.block_table += self.pool.allocate(need)
+            out.append(Scheduled(seq, seq.num_computed, n))
+            budget -= n
+        budget = self.cfg.max_num_batched_tokens - sum(s.n for s in out)
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
+            n = self._chunk(seq, budget)
+            if n == 0:
+                break
+            need = self._blocks_needed(seq, self._reserve_tokens(seq, n))
+            if need > self.pool.num_free:
+                break
+            self.waiting.popleft()
+            seq.block_table += self.pool.allocate(need)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.append(Scheduled(seq, seq.num_computed, n))
+            budget -= n
+        return out
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks; it recomputes from scratch when readmitted."""
+        self.running.remove(seq)
+        self.pool.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str, keep_blocks: bool = False) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if not keep_blocks and seq.block_table:
+            self.pool.free(seq.block_table)
+            seq.block_table = []
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,51 @@
+"""One request inside the engine: its tokens, its KV blocks and how far it is computed.
+
+Prefill and decode are the same thing here (as in vLLM v1): a sequence has
+`num_computed` tokens whose K/V are in its blocks; a step computes some of the rest, and
+when a step reaches the last token a new token is sampled. A sequence whose prompt KV
+was written by a remote prefill enters with num_computed = len(prompt).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from shared.contracts.sampling import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival: int
+    output_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    stop_after_prefill: bool = False   # prefill-only: finish after the first token
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    @property
+    def remaining(self) -> int:
+        """Tokens not yet in the KV cache."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
