@@ -31,7 +31,10 @@ def _write_kv_kernel(
     slot = tl.load(slot_ptr + t).to(tl.int64)
     offs_h = tl.arange(0, H_POW2)
     offs_d = tl.arange(0, D_POW2)
-    mask = (slot >= 0) & (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HEAD_DIM)  # [H, D]
+    # a skipped token (slot -1) masks every head; `(slot >= 0) & tensor` comes out int64 in
+    # the interpreter, hence the where
+    live_heads = tl.where(slot >= 0, NUM_HEADS, 0)
+    mask = (offs_h[:, None] < live_heads) & (offs_d[None, :] < HEAD_DIM)  # [H, D]
 
     src_k = t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
     src_v = t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]

@@ -30,7 +30,7 @@ def paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     k = k_cache.index_select(0, tables).view(B, L, Hkv, D).float()  # [B, L, Hkv, D]
     v = v_cache.index_select(0, tables).view(B, L, Hkv, D).float()
 
-    qg = q.float().view(B, Hkv, G, D)
+    qg = q.float().reshape(B, Hkv, G, D)
     pad = (torch.arange(L, device=q.device) >= lens[:, None])[:, None, :]  # [B, 1, L]
     out = torch.empty((B, Hkv, G, D), dtype=torch.float32, device=q.device)
     for h in range(Hkv):

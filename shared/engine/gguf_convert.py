@@ -83,6 +83,7 @@ def convert(out_dir: str | os.PathLike, gguf_path: str | os.PathLike | None = No
         print(f"[gguf_convert] weights dequantized and saved as bfloat16 ({time.perf_counter() - t0:.1f}s)")
         files = sorted(p.name for p in tmp_dir.iterdir())
         for name in files:
+            (tmp_dir / name).chmod(0o644)  # safetensors writes 0600
             os.replace(tmp_dir / name, out_dir / name)
     (out_dir / MARKER).write_text(json.dumps({**identity, "files": files}, indent=2) + "\n")
     size = sum((out_dir / name).stat().st_size for name in files)

@@ -79,9 +79,10 @@ def test_strided_q_and_block_tables():
     wide_tables[:, :block_tables.shape[1]] = block_tables
     q_view, tables_view = qkv[:, :4], wide_tables[:, :block_tables.shape[1]]  # row strides > width
     assert not q_view.is_contiguous() and not tables_view.is_contiguous()
-    out = paged_attention_decode_triton(q_view, k_cache, v_cache, tables_view, context_lens, scale)
-    assert_close(out, paged_attention_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale),
-                 torch.float32)
+    expected = paged_attention_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
+    strided = (q_view, k_cache, v_cache, tables_view, context_lens, scale)
+    assert_close(paged_attention_decode_triton(*strided), expected, torch.float32)
+    assert_close(paged_attention_decode_ref(*strided), expected, torch.float32)
 
 
 def test_empty_context_gives_zeros():

@@ -1,0 +1,165 @@
+"""Engine benchmark: transformers generate vs our engine, one at a time and batched.
+
+  (a) transformers `generate`, one request at a time
+  (b) our engine, one request at a time
+  (c) our engine with continuous batching at concurrency 4 and 16
+plus the memory-bandwidth bound for decode at concurrency 1: weight bytes read per
+token / measured memcpy bandwidth. Everything is measured in one run; writes JSON + PNG.
+
+    python scripts/bench_engine.py --model PATH [--dtype bfloat16] [--max-tokens 64]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from shared.contracts.sampling import SamplingParams  # noqa: E402
+from shared.engine.config import EngineConfig  # noqa: E402
+from shared.engine.engine import LLMEngine  # noqa: E402
+from tests.conftest import CODE_PROMPTS  # noqa: E402
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def memcpy_bandwidth(nbytes: int = 512 << 20, reps: int = 5) -> dict:
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(reps))
+    return {"copy_bytes_per_s": nbytes / best, "traffic_bytes_per_s": 2 * nbytes / best}
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def bench_hf(path: str, dtype: torch.dtype, prompts, max_tokens: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    gen = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(torch.tensor([prompts[0]]), max_new_tokens=4, **gen)  # warm-up
+        total_t, tokens, per_tok = 0.0, 0, []
+        for i, ids in enumerate(prompts):
+            x = torch.tensor([ids])
+            t1 = _timed(lambda: model.generate(x, max_new_tokens=1, **gen))
+            tn = _timed(lambda: model.generate(x, max_new_tokens=max_tokens, **gen))
+            total_t += tn
+            tokens += max_tokens
+            per_tok.append((tn - t1) / (max_tokens - 1))
+            log(f"  hf {i + 1}/{len(prompts)}: {max_tokens / tn:.1f} tok/s")
+    return {"tokens_per_s": tokens / total_t, "per_token_latency_s": sum(per_tok) / len(per_tok)}
+
+
+def bench_engine(path, dtype: str, prompts, max_tokens: int, concurrency: int) -> dict:
+    eng = LLMEngine(EngineConfig(model=path, dtype=dtype, num_blocks=2048, block_size=16,
+                                 max_num_seqs=concurrency, max_num_batched_tokens=512,
+                                 chunk_size=512))
+    p = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    eng.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+    groups = [[x] for x in prompts] if concurrency == 1 else [prompts]
+    total_t, tokens, decode_steps = 0.0, 0, []
+    for gi, group in enumerate(groups):
+        for j, ids in enumerate(group):
+            eng.add_request(f"b{gi}-{j}", ids, p)
+        t0 = time.perf_counter()
+        while eng.has_unfinished:
+            t = time.perf_counter()
+            outs = eng.step()
+            dt = time.perf_counter() - t
+            # a pure decode step: every running sequence produced one token
+            if outs and len(outs) == len(eng.scheduler.running) + sum(o.finished for o in outs):
+                decode_steps.append((dt, len(outs)))
+            tokens += len(outs)
+        total_t += time.perf_counter() - t0
+        if concurrency == 1 and (gi + 1) % 4 == 0:
+            log(f"  engine c=1 {gi + 1}/{len(groups)}")
+    full = [dt for dt, n in decode_steps if n == concurrency] or [dt for dt, _ in decode_steps]
+    return {"tokens_per_s": tokens / total_t, "per_token_latency_s": sum(full) / len(full),
+            "weight_bytes": eng.model.weight_bytes}
+
+
+def plot(results: dict, out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results["runs"])
+    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+    ax[0].bar(names, [results["runs"][n]["tokens_per_s"] for n in names], color="tab:blue")
+    ax[0].set_ylabel("output tokens/s")
+    ax[1].bar(names, [results["runs"][n]["per_token_latency_s"] * 1e3 for n in names],
+              color="tab:orange")
+    ax[1].axhline(results["bandwidth_bound_s"] * 1e3, ls="--", c="k", label="bandwidth bound")
+    ax[1].set_ylabel("per-token latency (ms)")
+    ax[1].legend()
+    for a in ax:
+        a.tick_params(axis="x", rotation=30)
+    fig.suptitle(f"{results['model']} ({results['dtype']})")
+    fig.tight_layout()
+    fig.savefig(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--out", default=str(ROOT / "bench_out"))
+    args = ap.parse_args()
+    from shared.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(args.model)
+    prompts = [tok.encode(p) for p in (CODE_PROMPTS * 2)[:args.prompts]]
+    dtype = getattr(torch, args.dtype)
+    log(f"model {args.model} dtype {args.dtype} threads {torch.get_num_threads()}")
+    bw = memcpy_bandwidth()
+    log(f"memcpy {bw['copy_bytes_per_s'] / 1e9:.1f} GB/s copied")
+    runs = {}
+    log("(a) transformers generate, one at a time")
+    runs["hf_c1"] = bench_hf(args.model, dtype, prompts, args.max_tokens)
+    for c in (1, 4, 16):
+        log(f"(b/c) engine concurrency {c}")
+        runs[f"engine_c{c}"] = bench_engine(args.model, args.dtype, prompts, args.max_tokens, c)
+    wbytes = runs["engine_c1"].pop("weight_bytes")
+    for c in (4, 16):
+        runs[f"engine_c{c}"].pop("weight_bytes")
+    bound = wbytes / bw["copy_bytes_per_s"]
+    base = runs["hf_c1"]["tokens_per_s"]
+    res = {
+        "model": Path(args.model).name, "dtype": args.dtype, "threads": torch.get_num_threads(),
+        "max_tokens": args.max_tokens, "prompts": len(prompts), "memcpy": bw,
+        "weight_bytes_per_token": wbytes, "bandwidth_bound_s": bound, "runs": runs,
+        "ratios": {
+            "engine_c1_vs_hf_tokens_per_s": runs["engine_c1"]["tokens_per_s"] / base,
+            "engine_c4_vs_hf_tokens_per_s": runs["engine_c4"]["tokens_per_s"] / base,
+            "engine_c16_vs_hf_tokens_per_s": runs["engine_c16"]["tokens_per_s"] / base,
+            "engine_c1_latency_vs_bandwidth_bound":
+                runs["engine_c1"]["per_token_latency_s"] / bound,
+        },
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"engine_{res['model']}_{args.dtype}"
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=2))
+    plot(res, out / f"{stem}.png")
+    log(json.dumps(res["ratios"], indent=2))
+    log(f"wrote {out / stem}.json and .png")
+
+
+if __name__ == "__main__":
+    main()

