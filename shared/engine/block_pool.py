@@ -48,6 +48,12 @@ class BlockPool:
             self._next_epoch += 1
         return out
 
+    def restamp(self, blocks: list[int]) -> None:
+        """New epochs for blocks that stay allocated: fences every earlier writer."""
+        for b in blocks:
+            self.epoch[b] = self._next_epoch
+            self._next_epoch += 1
+
     def free(self, blocks: list[int]) -> None:
         for b in blocks:
             if b not in self._used:

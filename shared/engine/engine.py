@@ -8,11 +8,21 @@ Life cycle of a request:
 
 Phases of a step: schedule -> prepare (flat batch + attention metadata) -> run_model ->
 sample -> postprocess.
+
+Remote prefill (decode side): reserve_remote allocates blocks for a prompt whose KV
+another process computes; writes land through accept_kv (epoch-fenced); start_remote
+joins the sequence to the batch with its first token.
+
+Threading: step() may run in a worker thread while the service's event loop adds,
+aborts and applies KV writes. Bookkeeping happens under `lock`; the forward pass runs
+without it. An abort that arrives during a forward is applied right after it, so a
+freed block can never be written by a forward that is still running.
 """
 from __future__ import annotations
 
 import itertools
 import random
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -58,8 +68,12 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(cfg, self.pool)
         self.requests: dict[str, _Req] = {}
+        self.remote: dict[str, Sequence] = {}      # reserved, awaiting remote KV
         self._arrival = itertools.count()
         self._rng = random.Random()
+        self.lock = threading.RLock()
+        self._inflight: set[str] = set()
+        self._deferred_aborts: set[str] = set()
 
     # ---- requests -----------------------------------------------------------------
     def check_request(self, prompt_ids: list[int], params) -> None:
@@ -99,25 +113,91 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_ids: list[int], params,
                     prefill_only: bool = False) -> None:
-        seq = self._new_seq(request_id, prompt_ids, params)
-        seq.stop_after_prefill = prefill_only
-        self.scheduler.add(seq)
+        with self.lock:
+            seq = self._new_seq(request_id, prompt_ids, params)
+            seq.stop_after_prefill = prefill_only
+            self.scheduler.add(seq)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        req = self.requests.pop(request_id, None)
-        if req is None:
-            return None
-        self.scheduler.finish(req.seq, "abort")
-        return RequestOutput(request_id, [], finished=True, finish_reason="abort",
-                             num_prompt_tokens=len(req.seq.prompt_ids),
-                             num_output_tokens=len(req.seq.output_ids))
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks (after the current forward if it is in
+        one). Returns whether the request was known."""
+        with self.lock:
+            req = self.requests.get(request_id)
+            if req is None:
+                return False
+            if request_id in self._inflight:
+                self._deferred_aborts.add(request_id)
+                return True
+            self._finish_abort(req.seq)
+            return True
+
+    def _finish_abort(self, seq: Sequence) -> None:
+        self.requests.pop(seq.request_id, None)
+        if self.remote.pop(seq.request_id, None) is not None:
+            self.pool.free(seq.block_table)
+            seq.block_table = []
+            return
+        self.scheduler.finish(seq, "abort")
+
+    # ---- remote prefill (decode side) ------------------------------------------------
+    def reserve_remote(self, request_id: str, prompt_ids: list[int], params) -> tuple[list[int], list[int]]:
+        """Allocate blocks for a prompt another process prefills. Returns the blocks that
+        will hold the prompt and their epochs. Raises NoFreeBlocks when short."""
+        with self.lock:
+            if len(self.scheduler.running) + len(self.remote) >= self.cfg.max_num_seqs * 4:
+                from .block_pool import NoFreeBlocks
+                raise NoFreeBlocks("too many requests awaiting KV")
+            n = len(prompt_ids) + (params.max_tokens if self.cfg.deterministic else 0)
+            need = self.pool.blocks_for(max(n, len(prompt_ids)))
+            seq = self._new_seq(request_id, prompt_ids, params)
+            try:
+                seq.block_table = self.pool.allocate(need)
+            except Exception:
+                del self.requests[request_id]
+                raise
+            self.remote[request_id] = seq
+            dest = seq.block_table[:self.pool.blocks_for(len(prompt_ids))]
+            return dest, [self.pool.epoch[b] for b in dest]
+
+    def accept_kv(self, request_id: str, block_ids: list[int], epochs: list[int]) -> bool:
+        """Whether a KV write may land: the request still awaits KV and every block is
+        still in the epoch it was reserved under (the epoch fence). Call under lock."""
+        seq = self.remote.get(request_id)
+        if seq is None:
+            return False
+        return all(self.pool.epoch[b] == e for b, e in zip(block_ids, epochs))
+
+    def start_remote(self, request_id: str, first_token: int, logprob=None,
+                     top_logprobs=None) -> RequestOutput:
+        """All prompt KV has landed: join the batch with the first token prefill sampled."""
+        from .sampling import SampleOutput
+
+        with self.lock:
+            seq = self.remote.pop(request_id)
+            self.pool.restamp(seq.block_table)   # no write may land from now on
+            seq.num_computed = len(seq.prompt_ids)
+            self.scheduler.add_running(seq)
+            return self.append_token(seq, first_token, SampleOutput(first_token, logprob, top_logprobs))
+
+    def prefill_locally(self, request_id: str) -> None:
+        """Give up on the remote prefill: compute the prompt here, in fresh blocks."""
+        with self.lock:
+            seq = self.remote.pop(request_id)
+            self.pool.free(seq.block_table)
+            seq.block_table = []
+            self.scheduler.add(seq)
+
+    def kept_blocks(self, request_id: str) -> list[int]:
+        """Blocks of a finished prefill-only request (valid until release())."""
+        return list(self.requests[request_id].seq.block_table)
 
     def release(self, request_id: str) -> None:
         """Free the blocks a finished prefill-only request kept."""
-        req = self.requests.pop(request_id)
-        if req.seq.block_table:
-            self.pool.free(req.seq.block_table)
-            req.seq.block_table = []
+        with self.lock:
+            req = self.requests.pop(request_id, None)
+            if req is not None and req.seq.block_table:
+                self.pool.free(req.seq.block_table)
+                req.seq.block_table = []
 
     @property
     def has_unfinished(self) -> bool:
@@ -125,12 +205,22 @@ class LLMEngine:
 
     # ---- one step -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
-        if not batch:
-            return []
-        input_ids, meta, sampled = self.prepare(batch)
+        with self.lock:
+            batch = self.scheduler.schedule()
+            if not batch:
+                return []
+            self._inflight = {s.seq.request_id for s in batch}
+            input_ids, meta, sampled = self.prepare(batch)
         logits = self.model.forward(input_ids, meta, self.kv)
-        return self.postprocess(batch, sampled, logits)
+        with self.lock:
+            self._inflight = set()
+            outs = self.postprocess(batch, sampled, logits)
+            for rid in self._deferred_aborts:
+                req = self.requests.get(rid)
+                if req is not None:
+                    self._finish_abort(req.seq)
+            aborted, self._deferred_aborts = self._deferred_aborts, set()
+            return [o for o in outs if o.request_id not in aborted]
 
     def prepare(self, batch: list[Scheduled]):
         """Flat batch: single-token rows first (batched paged attention), then chunks."""
@@ -169,7 +259,7 @@ class LLMEngine:
             ids += [0] * pad
             meta.positions = torch.cat([meta.positions, torch.zeros(pad, dtype=torch.long)])
             meta.slot_mapping = torch.cat([meta.slot_mapping, torch.full((pad,), -1)])
-            meta.pad_logits_to = self.cfg.max_num_seqs
+            meta.pad_logits_to = self.cfg.max_num_batched_tokens
         return torch.tensor(ids, dtype=torch.long), meta, sampled
 
     def postprocess(self, batch, sampled, logits) -> list[RequestOutput]:

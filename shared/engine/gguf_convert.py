@@ -82,6 +82,7 @@ def convert(out_dir: str | os.PathLike, gguf_path: str | os.PathLike | None = No
         _save_model(gguf_path, tmp_dir)
         print(f"[gguf_convert] weights dequantized and saved as bfloat16 ({time.perf_counter() - t0:.1f}s)")
         files = sorted(p.name for p in tmp_dir.iterdir())
+        (out_dir / MARKER).unlink(missing_ok=True)  # incomplete until every file is in
         for name in files:
             (tmp_dir / name).chmod(0o644)  # safetensors writes 0600
             os.replace(tmp_dir / name, out_dir / name)

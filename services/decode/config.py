@@ -1,0 +1,44 @@
+"""Decode service settings (flags --foo-bar, env PDMESH_FOO_BAR)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.engine.config import EngineConfig
+
+
+@dataclass
+class DecodeConfig:
+    """pdmesh decode: KV slots, continuous batching, token streaming."""
+    model: str = field(default="", metadata={"help": "HF model folder"})
+    nats_url: str = "nats://127.0.0.1:4222"
+    instance_id: str = field(default="", metadata={"help": "default: generated"})
+    mode: str = field(default="auto", metadata={"help": "auto | pd | colocated"})
+    min_pd_prompt_tokens: int = field(default=0, metadata={
+        "help": "prompts shorter than this are prefilled locally"})
+    prefill_timeout_s: float = field(default=30.0, metadata={
+        "help": "awaiting KV longer than this: prefill locally instead"})
+    prefill_dead_after_s: float = 3.0
+    dtype: str = "bfloat16"
+    block_size: int = 16
+    num_blocks: int = field(default=0, metadata={"help": "0: from kv_cache_mb"})
+    kv_cache_mb: int = 512
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 256
+    chunk_size: int = 256
+    deterministic: bool = False
+    threads: int = field(default=0, metadata={"help": "torch threads (0: torch default)"})
+    drain_timeout_s: float = 10.0
+
+    def __post_init__(self):
+        if self.mode not in ("auto", "pd", "colocated"):
+            raise ValueError(f"mode must be auto, pd or colocated, got {self.mode!r}")
+        if not self.model:
+            raise ValueError("--model (PDMESH_MODEL) is required")
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model, dtype=self.dtype, block_size=self.block_size,
+            num_blocks=self.num_blocks or None, kv_cache_bytes=self.kv_cache_mb << 20,
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            chunk_size=self.chunk_size, deterministic=self.deterministic,
+            threads=self.threads or None)

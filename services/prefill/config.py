@@ -1,0 +1,40 @@
+"""Prefill service settings (flags --foo-bar, env PDMESH_FOO_BAR)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.engine.config import EngineConfig
+
+
+@dataclass
+class PrefillConfig:
+    """pdmesh prefill: prompt forward passes, first token, KV writes to decode."""
+    model: str = field(default="", metadata={"help": "HF model folder"})
+    nats_url: str = "nats://127.0.0.1:4222"
+    instance_id: str = field(default="", metadata={"help": "default: generated"})
+    dtype: str = "bfloat16"
+    block_size: int = 16
+    num_blocks: int = field(default=0, metadata={"help": "0: from kv_cache_mb"})
+    kv_cache_mb: int = 256
+    max_jobs: int = field(default=4, metadata={"help": "jobs computed concurrently"})
+    max_num_batched_tokens: int = 256
+    chunk_size: int = 256
+    deterministic: bool = False
+    threads: int = field(default=0, metadata={"help": "torch threads (0: torch default)"})
+    kv_window: int = field(default=8, metadata={"help": "KV writes in flight per job (credits)"})
+    kv_ack_timeout_s: float = 10.0
+    ack_wait_s: float = field(default=10.0, metadata={
+        "help": "JetStream ack wait: a job is redelivered if its worker goes silent this long"})
+    max_deliver: int = 5
+
+    def __post_init__(self):
+        if not self.model:
+            raise ValueError("--model (PDMESH_MODEL) is required")
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model, dtype=self.dtype, block_size=self.block_size,
+            num_blocks=self.num_blocks or None, kv_cache_bytes=self.kv_cache_mb << 20,
+            max_num_seqs=self.max_jobs, max_num_batched_tokens=self.max_num_batched_tokens,
+            chunk_size=self.chunk_size, deterministic=self.deterministic,
+            threads=self.threads or None)

@@ -1,0 +1,205 @@
+"""Prefill service.
+
+Life cycle of a job:
+  pull from the JetStream work queue -> check tokenizer fingerprint and block size ->
+  compute the prompt (continuous batching with other jobs) and sample the first token
+  with the job's sampling params -> stream the prompt's KV blocks to the decode instance
+  as KV writes, at most `kv_window` unacknowledged at a time (decode's ack is the credit,
+  so a fast sender can never make nats-server drop decode as a slow consumer) ->
+  PrefillDone (first token, writes issued) -> ack the job.
+A worker that dies before the ack leaves the job to be redelivered to another worker.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import nats.errors
+
+from shared import subjects
+from shared.contracts.common import Codec, ContractError, ErrorCode, ErrorReply, encode
+from shared.contracts.messages import Heartbeat, PrefillDone, PrefillJob, PrefillStatus
+from shared.engine.engine import LLMEngine
+from shared.engine.output import RequestOutput
+from shared.jobqueue import pull_subscription
+from shared.service import ServiceRuntime, new_instance_id
+
+from .config import PrefillConfig
+from .sender import KvSender
+
+log = logging.getLogger("pdmesh.prefill")
+JOB = Codec(PrefillJob)
+
+
+class PrefillService:
+    def __init__(self, cfg: PrefillConfig, engine: LLMEngine | None = None):
+        self.cfg = cfg
+        self.iid = cfg.instance_id or new_instance_id("prefill")
+        self.engine = engine or LLMEngine(cfg.engine_config())
+        self.fingerprint = self.engine.tokenizer.fingerprint
+        self.rt = ServiceRuntime("prefill", self.iid, cfg.nats_url, stats=self.stats)
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self.pending: dict[str, asyncio.Future] = {}
+        self.active = 0
+        self.slots = asyncio.Semaphore(cfg.max_jobs)
+        self.wake = asyncio.Event()
+        self.counters = {"jobs_done": 0, "jobs_failed": 0, "kv_writes": 0, "kv_bytes": 0,
+                         "bad_jobs": 0}
+
+    async def start(self) -> None:
+        await self.rt.start()
+        self.js = self.rt.nc.jetstream()
+        self.psub = await pull_subscription(self.js, self.cfg.ack_wait_s, self.cfg.max_deliver,
+                                            self.cfg.max_jobs)
+        self.sender = KvSender(self.rt.nc, self.iid, self.cfg.kv_window, self.cfg.kv_ack_timeout_s)
+        self.rt.spawn(self.fetch_loop())
+        self.rt.spawn(self.engine_loop())
+        log.info("prefill %s ready (model %s)", self.iid, self.cfg.model)
+
+    async def serve(self) -> None:
+        await self.start()
+        await self.rt.run(heartbeat=self.heartbeat)
+        deadline = time.monotonic() + 10
+        while self.active and time.monotonic() < deadline:  # drain: finish jobs in hand
+            await asyncio.sleep(0.1)
+        await self.rt.close()
+        self.executor.shutdown(wait=True, cancel_futures=True)
+
+    def heartbeat(self) -> Heartbeat:
+        st = self.engine.stats()
+        return Heartbeat(service="prefill", instance_id=self.iid, model=self.cfg.model,
+                         tokenizer_fingerprint=self.fingerprint, running=self.active,
+                         waiting=st["waiting"], blocks_free=st["blocks_free"],
+                         blocks_used=st["blocks_used"], ts=time.time())
+
+    def stats(self) -> dict:
+        return self.engine.stats() | {"jobs_active": self.active} | self.counters
+
+    # ---- jobs -------------------------------------------------------------------------
+    async def fetch_loop(self) -> None:
+        while not self.rt.stopping.is_set():
+            await self.slots.acquire()
+            try:
+                msgs = await self.psub.fetch(1, timeout=1.0)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                self.slots.release()
+                continue
+            except Exception as e:  # noqa: BLE001 - reconnecting
+                self.slots.release()
+                log.debug("fetch failed: %s", e)
+                await asyncio.sleep(0.5)
+                continue
+            self.active += 1
+            self.rt.spawn(self.run_job(msgs[0]))
+
+    async def run_job(self, msg) -> None:
+        try:
+            await self._run_job(msg)
+        finally:
+            self.active -= 1
+            self.slots.release()
+
+    async def _run_job(self, msg) -> None:
+        try:
+            job = JOB.decode(msg.data)
+        except ContractError as e:
+            self.counters["bad_jobs"] += 1
+            log.warning("dropping malformed job: %s", e)
+            await msg.term()
+            return
+        problem = self.refuse_reason(job)
+        if problem:
+            await self.finish(job, msg, PrefillDone(
+                request_id=job.request_id, status=PrefillStatus.FAILED, prefill_instance=self.iid,
+                error=ErrorReply(code=problem[0], message=problem[1], request_id=job.request_id)))
+            return
+        keepalive = self.rt.spawn(self.keep_alive(msg))
+        local_id = f"{job.request_id}/{uuid.uuid4().hex[:8]}"
+        t0 = time.monotonic()
+        try:
+            out = await self.compute(local_id, job)
+            compute_s = time.monotonic() - t0
+            t1 = time.monotonic()
+            writes, nbytes = await self.sender.send(job, self.engine, local_id)
+            self.counters["kv_writes"] += writes
+            self.counters["kv_bytes"] += nbytes
+            lp = out.logprobs[0] if out.logprobs else (None, None, None)
+            done = PrefillDone(request_id=job.request_id, status=PrefillStatus.OK,
+                               prefill_instance=self.iid, first_token=out.new_token_ids[0],
+                               first_logprob=lp[1], first_top_logprobs=lp[2],
+                               writes_issued=writes, bytes_sent=nbytes, compute_s=compute_s,
+                               transfer_s=time.monotonic() - t1)
+        except Exception as e:  # noqa: BLE001 - report, never crash the worker
+            log.warning("%s: prefill failed: %r", job.request_id, e)
+            done = PrefillDone(request_id=job.request_id, status=PrefillStatus.FAILED,
+                               prefill_instance=self.iid,
+                               error=ErrorReply(code=ErrorCode.PREFILL_FAILED, message=repr(e),
+                                                request_id=job.request_id))
+        finally:
+            keepalive.cancel()
+            self.engine.release(local_id)
+        await self.finish(job, msg, done)
+
+    def refuse_reason(self, job: PrefillJob) -> tuple[ErrorCode, str] | None:
+        if job.tokenizer_fingerprint != self.fingerprint:
+            return ErrorCode.TOKENIZER_MISMATCH, "job tokenizer fingerprint differs from prefill's"
+        if job.block_size != self.engine.cfg.block_size:
+            return ErrorCode.INVALID_REQUEST, (
+                f"block size {job.block_size} != prefill's {self.engine.cfg.block_size}")
+        try:
+            self.engine.check_request(job.prompt_ids, job.params)
+        except ValueError as e:
+            return ErrorCode.INVALID_REQUEST, str(e)
+        return None
+
+    async def compute(self, local_id: str, job: PrefillJob) -> RequestOutput:
+        fut = asyncio.get_running_loop().create_future()
+        self.pending[local_id] = fut
+        self.engine.add_request(local_id, job.prompt_ids, job.params, prefill_only=True)
+        self.wake.set()
+        return await fut
+
+    async def finish(self, job: PrefillJob, msg, done: PrefillDone) -> None:
+        ok = done.status is PrefillStatus.OK
+        self.counters["jobs_done" if ok else "jobs_failed"] += 1
+        try:
+            await self.rt.nc.request(subjects.decode_prefill_done(job.dest.instance_id),
+                                     encode(done), timeout=5)
+        except Exception as e:  # noqa: BLE001 - decode gone: it will never want this KV
+            log.warning("%s: PrefillDone not delivered: %r", job.request_id, e)
+        await msg.ack()
+
+    async def keep_alive(self, msg) -> None:
+        """Tell JetStream the job is in progress so it is redelivered only if we die."""
+        while True:
+            await asyncio.sleep(self.cfg.ack_wait_s / 3)
+            try:
+                await msg.in_progress()
+            except Exception:  # noqa: BLE001
+                pass
+
+    # ---- engine loop ------------------------------------------------------------------
+    async def engine_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.engine.has_unfinished:
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            try:
+                outs = await loop.run_in_executor(self.executor, self.engine.step)
+            except Exception as e:  # noqa: BLE001
+                log.exception("engine step failed")
+                for rid, fut in list(self.pending.items()):
+                    if not fut.done():
+                        fut.set_exception(RuntimeError(f"engine step failed: {e!r}"))
+                    self.engine.abort(rid)
+                self.pending.clear()
+                continue
+            for o in outs:
+                fut = self.pending.pop(o.request_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(o)
