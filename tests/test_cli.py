@@ -1,0 +1,85 @@
+"""The pdmesh command line: help, generate, bench placeholder, status and tail formatting."""
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from pdmesh import cli
+from pdmesh.micro import Instance
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_TARGET = ROOT / "models" / "tiny-target"
+
+
+def pdmesh(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pdmesh", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_lists_every_subcommand():
+    r = pdmesh("--help")
+    assert r.returncode == 0, r.stderr
+    for sub in ("up", "status", "tail", "generate", "bench"):
+        assert sub in r.stdout
+
+
+def test_up_help_names_its_options():
+    out = pdmesh("up", "--help").stdout
+    for flag in ("--model", "--prefill", "--decode", "--port", "--nats-port", "--mode",
+                 "--deterministic", "--extra-env"):
+        assert flag in out
+
+
+@pytest.mark.skipif(not (TINY_TARGET / "model.safetensors").is_file(),
+                    reason="models/tiny-target not trained (scripts/train_models.py)")
+@pytest.mark.parametrize("chat", ["--chat", "--no-chat"])
+def test_generate_prints_text(chat):
+    r = pdmesh("generate", "--model", str(TINY_TARGET), "--max-tokens", "8", "--threads", "1",
+               chat, "def fibonacci(n):")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip(), "no text generated"
+
+
+def test_bench_says_when_it_is_missing():
+    r = pdmesh("bench", "--help")
+    if importlib.util.find_spec("pdmesh.bench") is None:
+        assert r.returncode == 2 and "not available" in r.stderr
+    else:
+        assert "not available" not in r.stderr
+
+
+def test_status_without_nats_fails_clearly():
+    r = pdmesh("status", "--nats-url", "nats://127.0.0.1:1", timeout=30)
+    assert r.returncode == 1 and "cannot reach nats" in r.stderr
+
+
+def test_status_table_shows_blocks_and_queue():
+    rows = cli.format_status([
+        Instance("decode", "x", "decode_0", stats={"running": 2, "waiting": 1, "blocks_free": 90,
+                                                   "blocks_used": 10, "awaiting_kv": 3}),
+        Instance("kvstore", "y", "kvstore_0", stats={"entries": 0})]).splitlines()
+    assert rows[0].split()[:2] == ["SERVICE", "INSTANCE"]
+    assert rows[1].split() == ["decode", "decode_0", "2", "1", "90/10", "3", "0", "0"]
+    assert rows[2].split()[:3] == ["kvstore", "kvstore_0", "-"]
+
+
+def test_tail_prints_json_bodies_and_only_headers_of_binary_ones():
+    ctl = SimpleNamespace(subject="pdmesh.decode.abort.d0", reply="", headers=None,
+                          data=b'{"v":1,"request_id":"r1"}')
+    kv = SimpleNamespace(subject="pdmesh.decode.kv.d0", reply="_INBOX.1",
+                         headers={"request_id": "r1", "epoch": "3"}, data=bytes(range(256)) * 4)
+    line = cli.format_msg(ctl)
+    assert line.endswith('pdmesh.decode.abort.d0 {"v":1,"request_id":"r1"}')
+    line = cli.format_msg(kv)
+    assert "<1024 bytes binary>" in line and '"epoch": "3"' in line and "reply=_INBOX.1" in line
+
+
+def test_tail_hides_heartbeats_by_pattern():
+    assert cli._matches("pdmesh.evt.*.heartbeat", "pdmesh.evt.decode.heartbeat")
+    assert not cli._matches("pdmesh.evt.*.heartbeat", "pdmesh.evt.request.aborted")
+    assert cli._matches("pdmesh.>", "pdmesh.decode.kv.d0")

@@ -1,0 +1,122 @@
+"""compose.yaml is valid and consistent with the code it runs.
+
+Needs Debian's `docker-compose` (apt-get install docker-compose; `make test` installs it);
+`docker-compose config` validates and normalises the file without a Docker engine.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdmesh.cluster import CONFIG_CLASSES, nats_server_binary
+from shared.settings import env_name, load
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVICES = sorted(CONFIG_CLASSES)
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    exe = shutil.which("docker-compose")
+    assert exe, "docker-compose is missing: apt-get install -y docker-compose (make test does)"
+    r = subprocess.run([exe, "config"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, f"docker-compose config failed:\n{r.stderr}"
+    return yaml.safe_load(r.stdout)
+
+
+def _config_class(service: str):
+    module, name = CONFIG_CLASSES[service]
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not written yet")
+    return getattr(importlib.import_module(module), name)
+
+
+def test_compose_runs_nats_and_every_service(compose):
+    assert set(compose["services"]) == {"nats", *SERVICES}
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_service_command_is_its_module(compose, service):
+    svc = compose["services"][service]
+    assert svc["command"] == ["python", "-m", f"services.{service}"]
+    _config_class(service)
+    assert importlib.util.find_spec(f"services.{service}.__main__") is not None, \
+        f"services/{service}/__main__.py is missing"
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_service_env_names_config_fields(compose, service, monkeypatch):
+    cls = _config_class(service)
+    env = compose["services"][service].get("environment") or {}
+    fields = {env_name(f.name): f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(env) - set(fields))
+    assert not unknown, f"{service}: {unknown} match no field of {cls.__name__} ({sorted(fields)})"
+    # and the values parse: the config builds from exactly this environment
+    for k in list(os.environ):
+        if k.startswith("PDMESH_"):
+            monkeypatch.delenv(k)
+    for k, v in env.items():
+        monkeypatch.setenv(k, str(v))
+    cfg = load(cls, argv=[])
+    for k, v in env.items():
+        assert str(getattr(cfg, fields[k])).lower() == str(v).lower(), k
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_service_health_check_asks_that_service(compose, service):
+    test = compose["services"][service]["healthcheck"]["test"]
+    assert test == ["CMD", "python", "-m", "pdmesh.healthcheck", service]
+
+
+def test_scaling_needs_no_fixed_names_or_ports(compose):
+    for name, svc in compose["services"].items():
+        assert "container_name" not in svc, name
+        assert "PDMESH_INSTANCE_ID" not in (svc.get("environment") or {}), name
+        if name != "gateway":
+            assert not svc.get("ports"), f"{name} publishes a host port: --scale would clash"
+    assert any(p.get("target") == 8000 or "8000" in str(p)
+               for p in compose["services"]["gateway"]["ports"])
+
+
+def test_dependencies_wait_for_health(compose):
+    services = compose["services"]
+    for name, svc in services.items():
+        for dep, cond in (svc.get("depends_on") or {}).items():
+            assert dep in services, f"{name} depends on unknown {dep}"
+            assert cond["condition"] == "service_healthy", (name, dep)
+            assert "healthcheck" in services[dep], dep
+    assert "nats" in services["kvstore"]["depends_on"]
+
+
+def test_nats_config_is_valid_with_jetstream_and_8mb_payload(compose):
+    nats = compose["services"]["nats"]
+    assert nats["image"].startswith("nats:")
+    assert "-js" in nats["command"]
+    conf = ROOT / "deploy" / "nats.conf"
+    assert any(str(conf) in v for v in nats["volumes"])
+    text = conf.read_text()
+    assert re.search(r"^max_payload:\s*8MB", text, re.M)
+    assert re.search(r"^jetstream\s*\{", text, re.M)
+    r = subprocess.run([nats_server_binary(), "-c", str(conf), "-t"], capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 0, r.stderr + r.stdout
+
+
+def test_image_holds_the_model_compose_serves(compose):
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    models = {svc["environment"]["PDMESH_MODEL"] for svc in compose["services"].values()
+              if "PDMESH_MODEL" in (svc.get("environment") or {})}
+    assert len(models) == 1
+    assert f"gguf_convert --out {models.pop()}" in dockerfile
+    for pkg in ("pdmesh", "shared", "services", "kernels"):
+        assert re.search(rf"^COPY {pkg} ", dockerfile, re.M), f"Dockerfile does not copy {pkg}/"
+    assert "download.pytorch.org/whl/cpu" in dockerfile
