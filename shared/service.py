@@ -177,6 +177,8 @@ async def connect(url: str, name: str, wait_s: float = 60.0) -> nats.NATS:
         try:
             return await nats.connect(
                 url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                error_cb=_on_nats_error, disconnected_cb=_on_disconnect,
+                reconnected_cb=_on_reconnect,
                 connect_timeout=2, ping_interval=5, max_outstanding_pings=3,
                 pending_size=64 << 20, allow_reconnect=True)
         except Exception as e:  # noqa: BLE001
@@ -184,6 +186,18 @@ async def connect(url: str, name: str, wait_s: float = 60.0) -> nats.NATS:
                 raise
             log.info("waiting for nats at %s (%s)", url, e)
             await asyncio.sleep(0.5)
+
+
+async def _on_nats_error(e: Exception) -> None:
+    log.warning("nats: %s", e or type(e).__name__)
+
+
+async def _on_disconnect() -> None:
+    log.warning("nats: disconnected; reconnecting")
+
+
+async def _on_reconnect() -> None:
+    log.info("nats: reconnected")
 
 
 def decode_reply(data: bytes, headers: dict | None, codec: Codec):

@@ -65,6 +65,10 @@ class PrefillService:
         deadline = time.monotonic() + 10
         while self.active and time.monotonic() < deadline:  # drain: finish jobs in hand
             await asyncio.sleep(0.1)
+        try:  # a pull subscription has nothing to drain; unsubscribing keeps close() quick
+            await self.psub.unsubscribe()
+        except Exception:  # noqa: BLE001
+            pass
         await self.rt.close()
         self.executor.shutdown(wait=True, cancel_futures=True)
 
