@@ -91,18 +91,25 @@ class ServiceRuntime:
         return encode(Health(service=self.service, instance_id=self.instance_id,
                              ok=not self.stopping.is_set()))
 
-    async def run(self, heartbeat: Callable[[], Heartbeat] | None = None) -> None:
-        """Publish heartbeats until a signal arrives; then drain."""
-        while not self.stopping.is_set():
-            if heartbeat is not None and self.nc.is_connected:
+    async def run(self, heartbeat: Callable[[], Heartbeat] | None = None,
+                  drain: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Publish heartbeats until a signal arrives, then drain (still heartbeating, so
+        peers see a draining instance, not a dead one)."""
+        beats = self.spawn(self._heartbeats(heartbeat)) if heartbeat is not None else None
+        await self.stopping.wait()
+        if drain is not None:
+            await drain()
+        if beats is not None:
+            beats.cancel()
+
+    async def _heartbeats(self, heartbeat: Callable[[], Heartbeat]) -> None:
+        while True:
+            if self.nc.is_connected:
                 try:
                     await self.nc.publish(subjects.heartbeat(self.service), encode(heartbeat()))
                 except Exception as e:  # noqa: BLE001 - reconnecting; try next beat
                     log.debug("heartbeat failed: %s", e)
-            try:
-                await asyncio.wait_for(self.stopping.wait(), HEARTBEAT_INTERVAL_S)
-            except asyncio.TimeoutError:
-                pass
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     async def close(self) -> None:
         for t in self._tasks:

@@ -43,6 +43,7 @@ class Tracked:
     submitted: float
     writes: dict[str, int] = field(default_factory=dict)   # KV writes applied, per sender
     awaiting_kv: bool = False
+    chunks: int = 0                                       # TokenChunks sent (their seq)
 
 
 class DecodeService:
@@ -81,8 +82,7 @@ class DecodeService:
 
     async def serve(self) -> None:
         await self.start()
-        await self.rt.run(heartbeat=self.heartbeat)
-        await self.drain()
+        await self.rt.run(heartbeat=self.heartbeat, drain=self.drain)
         await self.rt.close()
         self.executor.shutdown(wait=True, cancel_futures=True)
 
@@ -101,6 +101,7 @@ class DecodeService:
                          tokenizer_fingerprint=self.fingerprint, running=st["running"],
                          waiting=st["waiting"], queue_depth=len(self.engine.remote),
                          blocks_free=st["blocks_free"], blocks_used=st["blocks_used"],
+                         accepting=self.accepting, max_model_len=self.engine.max_model_len,
                          ts=time.time())
 
     def stats(self) -> dict:
@@ -249,7 +250,9 @@ class DecodeService:
                            logprobs=o.logprobs, finished=o.finished,
                            finish_reason=o.finish_reason, stop_reason=o.stop_reason,
                            prompt_tokens=o.num_prompt_tokens,
-                           completion_tokens=o.num_output_tokens, path=tr.path)
+                           completion_tokens=o.num_output_tokens, path=tr.path,
+                           seq=tr.chunks)
+        tr.chunks += 1
         if o.finished:
             self.tracked.pop(o.request_id, None)
         try:
@@ -263,7 +266,7 @@ class DecodeService:
         if tr is not None:
             err = ErrorReply(code=code, message=message, request_id=rid)
             chunk = TokenChunk(request_id=rid, finished=True, finish_reason="abort", error=err,
-                               path=tr.path)
+                               path=tr.path, seq=tr.chunks)
             try:
                 await self.rt.nc.publish(tr.reply_subject, encode(chunk))
             except Exception:  # noqa: BLE001

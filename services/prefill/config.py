@@ -26,6 +26,9 @@ class PrefillConfig:
     ack_wait_s: float = field(default=10.0, metadata={
         "help": "JetStream ack wait: a job is redelivered if its worker goes silent this long"})
     max_deliver: int = 5
+    # test-only fault injection (off by default)
+    fault_delay_before_kv_s: float = field(default=0.0, metadata={
+        "help": "TEST ONLY: sleep this long between computing a job and sending its KV"})
 
     def __post_init__(self):
         if not self.model:

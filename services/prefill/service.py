@@ -61,16 +61,19 @@ class PrefillService:
 
     async def serve(self) -> None:
         await self.start()
-        await self.rt.run(heartbeat=self.heartbeat)
-        deadline = time.monotonic() + 10
-        while self.active and time.monotonic() < deadline:  # drain: finish jobs in hand
-            await asyncio.sleep(0.1)
+        await self.rt.run(heartbeat=self.heartbeat, drain=self.drain)
         try:  # a pull subscription has nothing to drain; unsubscribing keeps close() quick
             await self.psub.unsubscribe()
         except Exception:  # noqa: BLE001
             pass
         await self.rt.close()
         self.executor.shutdown(wait=True, cancel_futures=True)
+
+    async def drain(self) -> None:
+        """Finish the jobs in hand (the fetch loop stops taking new ones)."""
+        deadline = time.monotonic() + 10
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
 
     def heartbeat(self) -> Heartbeat:
         st = self.engine.stats()
@@ -126,6 +129,8 @@ class PrefillService:
         try:
             out = await self.compute(local_id, job)
             compute_s = time.monotonic() - t0
+            if self.cfg.fault_delay_before_kv_s:
+                await asyncio.sleep(self.cfg.fault_delay_before_kv_s)
             t1 = time.monotonic()
             writes, nbytes = await self.sender.send(job, self.engine, local_id)
             self.counters["kv_writes"] += writes

@@ -92,6 +92,7 @@ class TokenChunk(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     completion_tokens: int = 0
     path: Path | None = None
     error: ErrorReply | None = None
+    seq: int = 0                      # per request, from 0: a gap means a lost chunk
 
 
 class Abort(msgspec.Struct, frozen=True, kw_only=True):
@@ -111,6 +112,8 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     queue_depth: int = 0
     blocks_free: int = 0
     blocks_used: int = 0
+    accepting: bool = True            # False while draining: send no new work
+    max_model_len: int = 0
     ts: float = 0.0
 
 

@@ -1,0 +1,53 @@
+"""`python -m services.gateway [flags]`: serve the OpenAI API until SIGTERM, then drain."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aiohttp import web
+
+from shared.service import setup_logging
+from shared.settings import load
+
+from .app import GATEWAY, create_app
+from .config import GatewayConfig
+from .model import ModelSpec
+
+log = logging.getLogger("pdmesh.gateway")
+
+
+async def serve(cfg: GatewayConfig, spec: ModelSpec | None = None) -> None:
+    app = create_app(cfg, spec)
+    # handler_cancellation: a non-streaming request whose client left is cancelled (and
+    # aborted at decode) at once instead of at the next liveness tick
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=3.0)
+    await runner.setup()                       # on_startup: NATS, micro, subscriptions
+    gw = app[GATEWAY]
+    try:
+        site = web.TCPSite(runner, cfg.host, cfg.port)
+        await site.start()
+        log.info("gateway listening on http://%s:%d", cfg.host, cfg.port)
+        await gw.runtime.stopping.wait()       # SIGTERM / SIGINT
+        log.info("gateway draining (%d in flight)", gw.in_flight)
+        await gw.drain()
+    finally:
+        await runner.cleanup()                 # stops the site; on_cleanup closes NATS
+
+
+def main(argv: list[str] | None = None) -> None:
+    setup_logging()
+    try:
+        cfg = load(GatewayConfig, argv, prog="python -m services.gateway")
+        spec = ModelSpec.load(cfg)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"gateway: {e}") from None
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(serve(cfg, spec))
+    else:
+        uvloop.run(serve(cfg, spec))
+
+
+if __name__ == "__main__":
+    main()

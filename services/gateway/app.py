@@ -1,0 +1,261 @@
+"""The gateway's HTTP face (aiohttp) and its wiring to NATS.
+
+    app = create_app(cfg)            # on startup: NATS, micro registration, subscriptions
+    POST /v1/chat/completions        validate -> dispatch -> JSON or SSE
+    POST /v1/completions
+    GET  /v1/models, /v1/models/{model}, /health, /metrics
+
+Every error a client or a peer causes is an OpenAI error body with a 4xx/5xx status that
+says what went wrong; a 500 means a bug in this gateway.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+
+from aiohttp import web
+
+from shared.contracts.common import ErrorCode
+from shared.contracts.messages import Heartbeat
+from shared.service import ServiceRuntime
+
+from . import protocol as P
+from .config import GatewayConfig
+from .dispatch import ClientGone, DecodeClient
+from .metrics import CONTENT_TYPE, Metrics
+from .model import ModelSpec
+from .protocol import OpenAIError
+from .registry import Registry
+from .respond import answer
+from .validate import Prepared, parse_chat, parse_completion
+
+log = logging.getLogger("pdmesh.gateway")
+
+
+class Gateway:
+    """State shared by the handlers, and its start / drain / close."""
+
+    def __init__(self, cfg: GatewayConfig, spec: ModelSpec):
+        self.cfg, self.spec = cfg, spec
+        self.registry = Registry(cfg.decode_dead_after_s, spec.tokenizer.fingerprint)
+        self.metrics = Metrics()
+        self.runtime = ServiceRuntime("gateway", cfg.instance_id, cfg.nats_url, stats=self.stats,
+                                      description="pdmesh gateway: OpenAI-compatible REST")
+        self.client: DecodeClient | None = None
+        self.in_flight = 0
+        self.draining = False
+        # one thread: template rendering and tokenizing stay off the event loop, and HF fast
+        # tokenizers are not safe to call from several threads at once
+        self._cpu = ThreadPoolExecutor(1, thread_name_prefix="gateway-tokenize")
+        self.token_text: Callable[[int], str] = lru_cache(maxsize=1 << 16)(
+            lambda t: spec.tokenizer.decode([t]))
+
+    async def start(self) -> None:
+        await self.runtime.start()
+        self.client = DecodeClient(self.runtime.nc, self.registry, self.cfg.instance_id,
+                                   self.spec.tokenizer.fingerprint, self.cfg.submit_timeout_s,
+                                   self.cfg.request_timeout_s)
+        await self.client.start()
+        self.runtime.spawn(self.runtime.run(heartbeat=self._heartbeat))
+        log.info("gateway %s serving %s (context %d) via %s", self.cfg.instance_id,
+                 self.spec.name, self.spec.max_model_len, self.cfg.nats_url)
+
+    async def drain(self) -> None:
+        """Refuse new requests, let in-flight ones finish for drain_grace_s, then end the
+        rest with an explicit error."""
+        self.draining = True
+        deadline = time.monotonic() + self.cfg.drain_grace_s
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.in_flight and self.client is not None:
+            n = self.client.fail_all(ErrorCode.SHUTTING_DOWN, "the gateway is shutting down")
+            log.warning("drain: ending %d request(s) still in flight", n)
+            end = time.monotonic() + 2.0
+            while self.in_flight and time.monotonic() < end:
+                await asyncio.sleep(0.05)
+
+    async def close(self) -> None:
+        await self.runtime.close()
+        self._cpu.shutdown(wait=False, cancel_futures=True)
+
+    async def prepare(self, parse: Callable[[bytes, ModelSpec], Prepared], body: bytes) -> Prepared:
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, parse, body, self.spec)
+
+    def nats_connected(self) -> bool:
+        nc = self.runtime.nc
+        return nc is not None and nc.is_connected
+
+    def stats(self) -> dict:
+        return {"in_flight": self.in_flight, "requests": int(self.metrics.requests.total()),
+                "failures": int(self.metrics.failures.total()),
+                "decode_instances": len(self.registry.alive(time.monotonic())),
+                "draining": self.draining}
+
+    def _heartbeat(self) -> Heartbeat:
+        return Heartbeat(service="gateway", instance_id=self.cfg.instance_id, model=self.spec.name,
+                         tokenizer_fingerprint=self.spec.tokenizer.fingerprint,
+                         running=self.in_flight, ts=time.time())
+
+
+GATEWAY = web.AppKey("gateway", Gateway)
+
+
+def create_app(cfg: GatewayConfig, spec: ModelSpec | None = None) -> web.Application:
+    """The aiohttp application; NATS is connected on startup and drained on cleanup.
+    `spec` defaults to ModelSpec.load(cfg) (tokenizer + config.json of cfg.model)."""
+    gw = Gateway(cfg, spec or ModelSpec.load(cfg))
+    app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[_errors])
+    app[GATEWAY] = gw
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", model)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+
+    async def start(_app):
+        await gw.start()
+
+    async def close(_app):
+        await gw.close()
+
+    app.on_startup.append(start)
+    app.on_cleanup.append(close)
+    return app
+
+
+# ---- generation ------------------------------------------------------------------------
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, parse_chat, "chatcmpl")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, parse_completion, "cmpl")
+
+
+async def _generate(request: web.Request, parse, id_prefix: str) -> web.StreamResponse:
+    gw = request.app[GATEWAY]
+    if gw.draining:
+        raise OpenAIError(503, "the gateway is shutting down", code="shutting_down")
+    arrival = time.monotonic()
+    gw.in_flight += 1
+    try:
+        body = await request.read()
+        prep = await gw.prepare(parse, body)
+        rid = f"{id_prefix}-{uuid.uuid4().hex}"
+        d = await gw.client.submit(rid, prep.prompt_ids, prep.params, prep.constraint,
+                                   prep.options.force_path)
+        gw.metrics.placements.inc(placement=d.path.value)
+        return await answer(request, gw.client, d, prep, rid, arrival, gw.metrics, gw.token_text)
+    finally:
+        gw.in_flight -= 1
+
+
+# ---- the rest --------------------------------------------------------------------------
+
+
+async def models(request: web.Request) -> web.Response:
+    s = request.app[GATEWAY].spec
+    return web.json_response(P.model_list(s.name, s.created, s.max_model_len,
+                                          request.app[GATEWAY].cfg.model))
+
+
+async def model(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    name = request.match_info["model"]
+    if name != gw.spec.name:
+        raise OpenAIError(404, f"The model `{name}` does not exist; this server serves "
+                               f"`{gw.spec.name}`.", "model", code="model_not_found")
+    s = gw.spec
+    return web.json_response(P.model_card(s.name, s.created, s.max_model_len, gw.cfg.model))
+
+
+async def health(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    alive = len(gw.registry.alive(time.monotonic()))
+    connected = gw.nats_connected()
+    reasons = [r for r, bad in (("draining", gw.draining), ("not connected to NATS", not connected),
+                                ("no decode instance alive", not alive)) if bad]
+    body = {"status": "unavailable" if reasons else "ok", "decode_instances": alive,
+            "nats_connected": connected, "draining": gw.draining, "in_flight": gw.in_flight}
+    if reasons:
+        body["reason"] = "; ".join(reasons)
+    return web.json_response(body, status=503 if reasons else 200)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    t = gw.registry.totals(time.monotonic())
+    text = gw.metrics.render({
+        "pdmesh_requests_in_flight": ("Requests this gateway is serving.", gw.in_flight),
+        "pdmesh_decode_instances_alive": ("Decode instances heartbeating.", t["instances"]),
+        "pdmesh_prefill_queue_depth": ("Prefill jobs queued, summed over decode heartbeats.",
+                                       t["queue_depth"]),
+        "pdmesh_decode_running": ("Running requests, summed over decode heartbeats.", t["running"]),
+        "pdmesh_decode_waiting": ("Waiting requests, summed over decode heartbeats.", t["waiting"]),
+        "pdmesh_kv_blocks_used": ("KV blocks in use, summed over decode heartbeats.",
+                                  t["blocks_used"]),
+        "pdmesh_kv_blocks_free": ("KV blocks free, summed over decode heartbeats.",
+                                  t["blocks_free"]),
+    })
+    return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
+
+
+# ---- errors ----------------------------------------------------------------------------
+
+
+def _route(request: web.Request) -> str:
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "other"
+
+
+def _error_response(e: OpenAIError) -> web.Response:
+    return web.Response(status=e.status, body=P.dumps(e.body()), content_type="application/json")
+
+
+def _http_error(e: web.HTTPException, request: web.Request) -> OpenAIError:
+    if e.status == 404:
+        return OpenAIError(404, f"no route {request.method} {request.path}", code="not_found")
+    if e.status == 405:
+        allowed = ", ".join(sorted(getattr(e, "allowed_methods", ()) or ()))
+        return OpenAIError(405, f"method {request.method} is not allowed on {request.path}"
+                                f"{f' (allowed: {allowed})' if allowed else ''}",
+                           code="method_not_allowed")
+    if e.status == 413:
+        limit = request.app[GATEWAY].cfg.max_body_bytes
+        return OpenAIError(413, f"request body is larger than {limit} bytes",
+                           code="request_too_large")
+    return OpenAIError(e.status, e.reason or str(e))
+
+
+@web.middleware
+async def _errors(request: web.Request, handler) -> web.StreamResponse:
+    counter = request.app[GATEWAY].metrics.requests
+    route = _route(request)
+    try:
+        resp = await handler(request)
+    except OpenAIError as e:
+        resp = _error_response(e)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        resp = _error_response(_http_error(e, request))
+    except ClientGone:
+        # nobody reads this; answering keeps aiohttp from logging a traceback
+        resp = _error_response(OpenAIError(499, "client closed the connection", code="client_gone"))
+    except (ConnectionError, asyncio.CancelledError):
+        counter.inc(path=route, status="499")
+        raise
+    except Exception as e:  # noqa: BLE001 - a bug here; the client still gets a JSON error
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        resp = _error_response(OpenAIError(500, f"internal error in the gateway: {e!r}",
+                                           code="internal"))
+    counter.inc(path=route, status=str(resp.status))
+    return resp

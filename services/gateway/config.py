@@ -1,0 +1,53 @@
+"""Gateway settings: one dataclass, filled by shared.settings from flags, PDMESH_* env, defaults."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared import subjects
+from shared.service import new_instance_id
+
+
+def _help(text: str) -> dict:
+    return {"help": text}
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    """pdmesh gateway: OpenAI-compatible REST in front of the decode instances."""
+    model: str = field(default="", metadata=_help(
+        "HF model folder: tokenizer, chat template, config.json (context window)"))
+    served_model_name: str = field(default="", metadata=_help(
+        "model id clients send and /v1/models lists (default: the folder name)"))
+    nats_url: str = field(default="nats://127.0.0.1:4222", metadata=_help("NATS server URL"))
+    host: str = field(default="127.0.0.1", metadata=_help("HTTP listen address"))
+    port: int = field(default=8000, metadata=_help("HTTP listen port"))
+    instance_id: str = field(default="", metadata=_help(
+        "this gateway's id in subjects (default: generated)"))
+    request_timeout_s: float = field(default=600.0, metadata=_help(
+        "a request that has not finished by then gets a timeout error"))
+    decode_dead_after_s: float = field(default=5.0, metadata=_help(
+        "a decode instance silent for this long is dead; its requests fail"))
+    submit_timeout_s: float = field(default=5.0, metadata=_help(
+        "wait this long for a decode instance to accept a request, then try the next"))
+    drain_grace_s: float = field(default=10.0, metadata=_help(
+        "on SIGTERM, let in-flight requests finish for this long"))
+    max_body_bytes: int = field(default=32 << 20, metadata=_help(
+        "larger request bodies get 413"))
+
+    def __post_init__(self):
+        if not self.model:
+            raise ValueError("model is required: --model PATH or PDMESH_MODEL")
+        if not self.served_model_name:
+            self.served_model_name = Path(self.model).name
+        self.instance_id = (subjects.instance_token(self.instance_id) if self.instance_id
+                            else new_instance_id("gateway"))
+        for name in ("request_timeout_s", "decode_dead_after_s", "submit_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.drain_grace_s < 0:
+            raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")

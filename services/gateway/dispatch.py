@@ -1,0 +1,233 @@
+"""The gateway's side of the decode protocol, over NATS.
+
+Life cycle of a request:
+  submit      resolve the seed (so placement never changes output), pick the least loaded
+              live decode instance (registry, fed by heartbeats), register the request's
+              TokenChunk queue BEFORE sending DecodeSubmit (no chunk can be missed), wait for
+              SubmitAck. OVERLOADED / SHUTTING_DOWN / TOKENIZER_MISMATCH / no responders /
+              no answer -> the next instance, under a fresh request id (a late acceptance by
+              the first cannot leak chunks into this request; it is told to abort).
+              INVALID_REQUEST -> 400; any other refusal -> 502; nobody left -> 503.
+  next_chunk  the next TokenChunk; checks the deadline and the client's connection on every
+              call and, after each idle tick, the instance's heartbeat, so a dead instance
+              fails the request within seconds instead of hanging it.
+  abort       Abort(request_id, reason) to the instance (client gone, timeout, shutdown).
+  release     forget the queue; later chunks for the id are counted and dropped.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+import nats.errors
+
+from shared import subjects
+from shared.contracts.common import Codec, ContractError, ErrorCode, ErrorReply, encode
+from shared.contracts.constraint import Constraint
+from shared.contracts.messages import Abort, DecodeSubmit, Heartbeat, Path, SubmitAck, TokenChunk
+from shared.contracts.sampling import SamplingParams
+from shared.service import ServiceError, decode_reply
+
+from .protocol import OpenAIError
+from .registry import Registry
+
+log = logging.getLogger("pdmesh.gateway")
+
+ACK = Codec(SubmitAck)
+CHUNK = Codec(TokenChunk)
+HEARTBEAT = Codec(Heartbeat)
+
+RETRY_ELSEWHERE = {ErrorCode.OVERLOADED, ErrorCode.SHUTTING_DOWN, ErrorCode.TOKENIZER_MISMATCH}
+# a failed request's error code -> HTTP status: the client's fault, unavailable, or a peer fault
+_STATUS = {ErrorCode.INVALID_REQUEST: 400, ErrorCode.OVERLOADED: 503,
+           ErrorCode.SHUTTING_DOWN: 503, ErrorCode.INSTANCE_LOST: 503, ErrorCode.ABORTED: 503,
+           ErrorCode.PREFILL_FAILED: 503}
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected while its request was being served."""
+
+
+@dataclass(slots=True)
+class Dispatch:
+    """One request accepted by one decode instance."""
+    request_id: str
+    instance: str
+    path: Path
+    queue: asyncio.Queue = field(repr=False)
+    finished: bool = False     # decode has ended it (no abort needed)
+
+
+def chunk_error(err: ErrorReply, instance: str) -> OpenAIError:
+    status = _STATUS.get(err.code, 502)
+    return OpenAIError(status, f"decode instance {instance}: {err.message}", code=err.code.value)
+
+
+class DecodeClient:
+    def __init__(self, nc, registry: Registry, instance_id: str, fingerprint: str,
+                 submit_timeout_s: float, request_timeout_s: float, tick_s: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic):
+        self.nc = nc
+        self.registry = registry
+        self.reply_subject = subjects.gateway_tokens(instance_id)
+        self.fingerprint = fingerprint
+        self.submit_timeout_s = submit_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.tick_s = min(tick_s, registry.dead_after_s / 4)
+        self.clock = clock
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.dropped_chunks = 0
+        self.bad_messages = 0
+        self._rng = random.Random()
+
+    async def start(self) -> None:
+        await self.nc.subscribe(subjects.heartbeats_all(), cb=self._on_heartbeat)
+        await self.nc.subscribe(self.reply_subject, cb=self._on_chunk)
+
+    # ---- inbound -----------------------------------------------------------------------
+    async def _on_heartbeat(self, msg) -> None:
+        try:
+            self.registry.observe(HEARTBEAT.decode(msg.data), self.clock())
+        except ContractError as e:
+            self.bad_messages += 1
+            log.warning("%s on %s", e, msg.subject)
+
+    async def _on_chunk(self, msg) -> None:
+        try:
+            chunk = CHUNK.decode(msg.data)
+        except ContractError as e:
+            self.bad_messages += 1
+            log.warning("%s on %s", e, msg.subject)
+            chunk = _salvage(msg.data, e)   # fail its request now rather than at the timeout
+            if chunk is None:
+                return
+        q = self.queues.get(chunk.request_id)
+        if q is None:
+            self.dropped_chunks += 1
+            return
+        q.put_nowait(chunk)
+
+    # ---- submit ------------------------------------------------------------------------
+    async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     constraint: Constraint, force_path: str | None = None) -> Dispatch:
+        if params.seed is None:
+            params = msgspec.structs.replace(params, seed=self._rng.getrandbits(63))
+        tried: set[str] = set()
+        reasons: list[str] = []
+        while (inst := self.registry.choose(self.clock(), tried)) is not None:
+            rid = request_id if not tried else f"{request_id}.{len(tried)}"
+            tried.add(inst)
+            queue: asyncio.Queue = asyncio.Queue()
+            self.queues[rid] = queue
+            msg = DecodeSubmit(request_id=rid, prompt_ids=prompt_ids, params=params,
+                               constraint=constraint, tokenizer_fingerprint=self.fingerprint,
+                               reply_subject=self.reply_subject,
+                               force_path=Path(force_path) if force_path else None)
+            try:
+                reply = await self.nc.request(subjects.decode_submit(inst), encode(msg),
+                                              timeout=self.submit_timeout_s)
+                ack = decode_reply(reply.data, reply.headers, ACK)
+            except ServiceError as e:
+                self.queues.pop(rid, None)
+                err = e.reply
+                if err.code in RETRY_ELSEWHERE:
+                    reasons.append(f"{inst}: {err.code.value} ({err.message})")
+                    continue
+                if err.code == ErrorCode.INVALID_REQUEST:
+                    raise OpenAIError(400, err.message, code=err.code.value) from None
+                raise OpenAIError(502, f"decode instance {inst} refused the request: "
+                                       f"{err.code.value}: {err.message}",
+                                  code=err.code.value) from None
+            except nats.errors.NoRespondersError:
+                self.queues.pop(rid, None)
+                reasons.append(f"{inst}: not listening")
+                continue
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                self.queues.pop(rid, None)
+                await self._abort(inst, rid, "unacknowledged")   # in case it did accept
+                reasons.append(f"{inst}: no answer within {self.submit_timeout_s:g}s")
+                continue
+            except ContractError as e:
+                self.queues.pop(rid, None)
+                await self._abort(inst, rid, "bad_ack")
+                raise OpenAIError(502, f"decode instance {inst} sent a malformed "
+                                       f"acknowledgement: {e}", code="bad_message") from None
+            except nats.errors.Error as e:   # connection closed / draining / reconnecting
+                self.queues.pop(rid, None)
+                reasons.append(f"{inst}: {type(e).__name__}: {e}")
+                continue
+            self.registry.sent(inst)
+            return Dispatch(rid, inst, ack.path, queue)
+        why = self.registry.why_none(self.clock(), tried)
+        if not self.nc.is_connected:
+            why += " (this gateway is not connected to NATS)"
+        if reasons:
+            why += ": " + "; ".join(reasons)
+        raise OpenAIError(503, why, code="no_decode_instance")
+
+    # ---- chunks ------------------------------------------------------------------------
+    async def next_chunk(self, d: Dispatch, deadline: float,
+                         client_gone: Callable[[], bool] | None = None) -> TokenChunk:
+        while True:
+            now = self.clock()
+            if now >= deadline:
+                raise OpenAIError(504, f"request did not finish within the gateway's "
+                                       f"request_timeout_s ({self.request_timeout_s:g}s)",
+                                  code="timeout")
+            if client_gone is not None and client_gone():
+                raise ClientGone(d.request_id)
+            try:
+                return d.queue.get_nowait()
+            except asyncio.QueueEmpty:
+                pass
+            try:
+                return await asyncio.wait_for(d.queue.get(), min(self.tick_s, deadline - now))
+            except asyncio.TimeoutError:
+                pass
+            # idle for a tick: is the instance still there?
+            if not self.registry.is_alive(d.instance, self.clock()):
+                silent = self.registry.silent_for(d.instance, self.clock()) or 0.0
+                conn = "" if self.nc.is_connected else " (this gateway is not connected to NATS)"
+                raise OpenAIError(503, f"decode instance {d.instance} stopped sending heartbeats "
+                                       f"({silent:.1f}s silent) while serving this request{conn}",
+                                  code=ErrorCode.INSTANCE_LOST.value)
+
+    async def abort(self, d: Dispatch, reason: str) -> None:
+        if not d.finished:
+            d.finished = True
+            await self._abort(d.instance, d.request_id, reason)
+
+    def release(self, d: Dispatch) -> None:
+        self.queues.pop(d.request_id, None)
+
+    def fail_all(self, code: ErrorCode, message: str) -> int:
+        """End every waiting request with an error chunk (shutdown after the grace); not
+        `finished`, so each is still aborted at its decode instance."""
+        for rid, q in self.queues.items():
+            q.put_nowait(TokenChunk(request_id=rid, finished=False,
+                                    error=ErrorReply(code=code, message=message, request_id=rid)))
+        return len(self.queues)
+
+    async def _abort(self, instance: str, request_id: str, reason: str) -> None:
+        try:
+            await self.nc.publish(subjects.decode_abort(instance),
+                                  encode(Abort(request_id=request_id, reason=reason)))
+        except Exception as e:  # noqa: BLE001 - best effort; decode also times requests out
+            log.warning("abort of %s on %s failed: %s", request_id, instance, e)
+
+
+def _salvage(data: bytes, err: Exception) -> TokenChunk | None:
+    """An error chunk for the request a malformed TokenChunk names, if it names one."""
+    try:
+        rid = msgspec.json.decode(data).get("request_id")
+    except (msgspec.DecodeError, AttributeError):
+        return None
+    if not isinstance(rid, str):
+        return None
+    return TokenChunk(request_id=rid, finished=False, error=ErrorReply(
+        code=ErrorCode.BAD_MESSAGE, message=f"sent a malformed token chunk: {err}", request_id=rid))

@@ -1,0 +1,51 @@
+"""What the gateway knows about the model it serves: names, context window, vocabulary and
+the tokenizer that renders chat templates. Loaded once from the HF folder."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .config import GatewayConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    name: str                  # the id clients send (served_model_name)
+    aliases: frozenset[str]    # other accepted ids (the folder path as given)
+    max_model_len: int         # prompt + completion tokens
+    vocab_size: int            # ids the model can embed
+    tokenizer: Any             # shared.engine.tokenizer.Tokenizer (or a test double)
+    created: int               # unix time, for /v1/models
+
+    def accepts(self, model: str | None) -> bool:
+        return model is None or model == self.name or model in self.aliases
+
+    @classmethod
+    def load(cls, cfg: GatewayConfig, tokenizer: Any = None) -> "ModelSpec":
+        folder = Path(cfg.model)
+        if not (folder / "config.json").is_file():
+            raise ValueError(f"model folder {folder} has no config.json")
+        if tokenizer is None:
+            from shared.engine.tokenizer import Tokenizer
+            tokenizer = Tokenizer.from_pretrained(folder)
+        config = _read_json(folder / "config.json")
+        text_config = config.get("text_config") or {}
+        window = (config.get("max_position_embeddings")
+                  or text_config.get("max_position_embeddings")
+                  or getattr(tokenizer, "context_length", None))
+        if not window:
+            raise ValueError(f"{folder}/config.json has no max_position_embeddings")
+        vocab = config.get("vocab_size") or text_config.get("vocab_size") or tokenizer.vocab_size
+        return cls(name=cfg.served_model_name, aliases=frozenset({cfg.model, str(folder)}),
+                   max_model_len=int(window), vocab_size=int(vocab), tokenizer=tokenizer,
+                   created=int(time.time()))
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}

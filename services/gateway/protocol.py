@@ -1,0 +1,259 @@
+"""OpenAI wire format: request bodies (strict msgspec Structs) and the response, chunk and
+error bodies the gateway sends, field for field as OpenAI writes them.
+
+Unknown request fields are ignored (clients send extras); fields we know but do not serve
+yet are declared here so validation can name them in a 400.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+# ---- request bodies ----------------------------------------------------------------------
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCall
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, kw_only=True):
+    type: str = "function"
+    function: FunctionDef
+
+
+class NamedFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class ToolChoiceNamed(msgspec.Struct, kw_only=True):
+    type: str = "function"
+    function: NamedFunction
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = msgspec.field(default=None, name="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields both endpoints share (OpenAI's, then vLLM's extras)."""
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    return_token_ids: bool | None = None       # choices[].token_ids (vLLM's extension)
+    # pdmesh extension: force the placement ("pd" | "colocated"); default: decode decides
+    pdmesh_path: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | ToolChoiceNamed | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    functions: list[Any] | None = None        # deprecated form of tools
+    function_call: str | dict[str, Any] | None = None
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    prompt: Any = None        # str | [str] | [int] | [[int]]: checked by validate
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+# ---- errors ------------------------------------------------------------------------------
+
+
+class OpenAIError(Exception):
+    """An error the client sees as {"error": {message, type, param, code}} with `status`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def __repr__(self) -> str:
+        return f"OpenAIError({self.status}, {self.message!r}, param={self.param!r})"
+
+
+# ---- responses ---------------------------------------------------------------------------
+
+_encoder = msgspec.json.Encoder()
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: dict) -> bytes:
+    return b"data: " + _encoder.encode(obj) + b"\n\n"
+
+
+def dumps(obj: dict) -> bytes:
+    return _encoder.encode(obj)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def chat_completion(rid: str, created: int, model: str, text: str, finish_reason: str | None,
+                    usage_: dict, logprobs: dict | None = None) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0,
+                         "message": {"role": "assistant", "content": text, "refusal": None},
+                         "logprobs": logprobs, "finish_reason": finish_reason}],
+            "usage": usage_, "system_fingerprint": None}
+
+
+def chat_chunk(rid: str, created: int, model: str, delta: dict, finish_reason: str | None = None,
+               logprobs: dict | None = None, with_usage: bool = False) -> dict:
+    out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+           "system_fingerprint": None,
+           "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+                        "finish_reason": finish_reason}]}
+    if with_usage:   # OpenAI sends "usage": null on every chunk when include_usage is set
+        out["usage"] = None
+    return out
+
+
+def completion(rid: str, created: int, model: str, text: str, finish_reason: str | None,
+               usage_: dict, logprobs: dict | None = None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs,
+                         "finish_reason": finish_reason}],
+            "usage": usage_, "system_fingerprint": None}
+
+
+def completion_chunk(rid: str, created: int, model: str, text: str,
+                     finish_reason: str | None = None, logprobs: dict | None = None,
+                     with_usage: bool = False) -> dict:
+    out = {"id": rid, "object": "text_completion", "created": created, "model": model,
+           "system_fingerprint": None,
+           "choices": [{"index": 0, "text": text, "logprobs": logprobs,
+                        "finish_reason": finish_reason}]}
+    if with_usage:
+        out["usage"] = None
+    return out
+
+
+def usage_chunk(rid: str, created: int, model: str, chat: bool, usage_: dict) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created, "model": model, "system_fingerprint": None, "choices": [],
+            "usage": usage_}
+
+
+def model_list(name: str, created: int, max_model_len: int, root: str) -> dict:
+    return {"object": "list", "data": [model_card(name, created, max_model_len, root)]}
+
+
+def model_card(name: str, created: int, max_model_len: int, root: str) -> dict:
+    return {"id": name, "object": "model", "created": created, "owned_by": "pdmesh",
+            "root": root, "parent": None, "max_model_len": max_model_len}
+
+
+# ---- logprobs ----------------------------------------------------------------------------
+# decode sends, per generated token: (token_id, logprob, [(top_id, top_logprob), ...] | None)
+
+LogprobEntry = tuple[int, float, list[tuple[int, float]] | None]
+
+
+def chat_logprobs(entries: list[LogprobEntry], token_text: Callable[[int], str]) -> dict:
+    def item(tok: int, lp: float) -> dict:
+        s = token_text(tok)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    return {"content": [item(t, lp) | {"top_logprobs": [item(tt, tlp) for tt, tlp in (top or [])]}
+                        for t, lp, top in entries],
+            "refusal": None}
+
+
+def completion_logprobs(entries: list[LogprobEntry], token_text: Callable[[int], str],
+                        text_offset: int) -> dict:
+    """Legacy completions format; text_offset is where the first entry's text starts."""
+    tokens, offsets, tops = [], [], []
+    for t, _lp, top in entries:
+        s = token_text(t)
+        tokens.append(s)
+        offsets.append(text_offset)
+        text_offset += len(s)
+        tops.append({token_text(tt): tlp for tt, tlp in top} if top is not None else None)
+    return {"tokens": tokens, "token_logprobs": [lp for _t, lp, _top in entries],
+            "top_logprobs": tops, "text_offset": offsets}
+
+
+def merge_completion_logprobs(acc: dict | None, new: dict) -> dict:
+    if acc is None:
+        return new
+    return {k: acc[k] + new[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}

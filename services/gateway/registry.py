@@ -1,0 +1,92 @@
+"""Decode instances as the gateway sees them through heartbeats: liveness and load.
+
+Pure bookkeeping (the caller passes the clock). An instance is alive while its last
+heartbeat arrived within `dead_after_s`, measured on this process's monotonic clock, so
+clock skew between hosts does not matter. `choose` picks the least loaded live instance:
+running + waiting + queue depth from its last heartbeat, plus the requests this gateway
+sent it since (a burst between two heartbeats spreads instead of piling onto one),
+ties broken by more free KV blocks, then by id.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.contracts.messages import Heartbeat
+
+FORGET_AFTER_S = 300.0   # drop instances silent this long from the books
+
+
+@dataclass(slots=True)
+class Instance:
+    hb: Heartbeat
+    seen: float              # monotonic time the last heartbeat arrived
+    sent_since_hb: int = 0   # requests this gateway submitted after that heartbeat
+
+    @property
+    def load(self) -> int:
+        return self.hb.running + self.hb.waiting + self.hb.queue_depth + self.sent_since_hb
+
+
+class Registry:
+    def __init__(self, dead_after_s: float, fingerprint: str = ""):
+        self.dead_after_s = dead_after_s
+        self.fingerprint = fingerprint     # ours; instances with another one are not chosen
+        self.instances: dict[str, Instance] = {}
+
+    # ---- books -----------------------------------------------------------------------
+    def observe(self, hb: Heartbeat, now: float) -> None:
+        if hb.service != "decode":
+            return
+        self.instances[hb.instance_id] = Instance(hb, now)
+        for iid in [i for i, inst in self.instances.items() if now - inst.seen > FORGET_AFTER_S]:
+            del self.instances[iid]
+
+    def sent(self, instance_id: str) -> None:
+        inst = self.instances.get(instance_id)
+        if inst is not None:
+            inst.sent_since_hb += 1
+
+    # ---- questions -------------------------------------------------------------------
+    def is_alive(self, instance_id: str, now: float) -> bool:
+        inst = self.instances.get(instance_id)
+        return inst is not None and now - inst.seen <= self.dead_after_s
+
+    def silent_for(self, instance_id: str, now: float) -> float | None:
+        inst = self.instances.get(instance_id)
+        return None if inst is None else now - inst.seen
+
+    def alive(self, now: float) -> list[Instance]:
+        return [i for i in self.instances.values() if now - i.seen <= self.dead_after_s]
+
+    def compatible(self, inst: Instance) -> bool:
+        theirs = inst.hb.tokenizer_fingerprint
+        return not (self.fingerprint and theirs and theirs != self.fingerprint)
+
+    def choose(self, now: float, exclude: set[str] | frozenset[str] = frozenset()) -> str | None:
+        """The least loaded live, compatible instance not in `exclude`, or None."""
+        cands = [i for i in self.alive(now)
+                 if i.hb.instance_id not in exclude and self.compatible(i) and i.hb.accepting]
+        if not cands:
+            return None
+        best = min(cands, key=lambda i: (i.load, -i.hb.blocks_free, i.hb.instance_id))
+        return best.hb.instance_id
+
+    def why_none(self, now: float, exclude: set[str] | frozenset[str] = frozenset()) -> str:
+        """Why choose() returned None, in words for a 503."""
+        alive = self.alive(now)
+        if not alive:
+            return "no decode instance is alive (none has sent a heartbeat recently)"
+        if not any(self.compatible(i) for i in alive):
+            return (f"the {len(alive)} live decode instance(s) use a different tokenizer "
+                    f"than this gateway's model")
+        return f"all {len(exclude)} decode instance(s) tried refused or did not answer"
+
+    def totals(self, now: float) -> dict[str, int]:
+        """Sums over live instances, for /metrics and /health."""
+        alive = self.alive(now)
+        return {"instances": len(alive),
+                "running": sum(i.hb.running for i in alive),
+                "waiting": sum(i.hb.waiting for i in alive),
+                "queue_depth": sum(i.hb.queue_depth for i in alive),
+                "blocks_free": sum(i.hb.blocks_free for i in alive),
+                "blocks_used": sum(i.hb.blocks_used for i in alive)}

@@ -1,0 +1,180 @@
+"""TokenChunks of one dispatched request -> the HTTP answer: one JSON body, or SSE.
+
+Whatever way the answer ends before decode finished the request (client gone, timeout,
+instance lost, gateway shutdown, a write that fails), decode is told to abort it.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from aiohttp import web
+
+from shared.contracts.messages import TokenChunk
+
+from . import protocol as P
+from .dispatch import ClientGone, DecodeClient, Dispatch, chunk_error
+from .metrics import Metrics
+from .protocol import OpenAIError
+from .validate import Prepared
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+               "X-Accel-Buffering": "no"}
+
+
+class Answer:
+    """What has come back so far: text, token counts, logprobs, finish; feeds the metrics."""
+
+    def __init__(self, prep: Prepared, d: Dispatch, arrival: float, metrics: Metrics,
+                 token_text: Callable[[int], str]):
+        self.prep, self.d, self.arrival, self.metrics = prep, d, arrival, metrics
+        self.token_text = token_text
+        self.parts: list[str] = []
+        self.token_ids: list[int] = []
+        self.prompt_tokens = len(prep.prompt_ids)
+        self.counted = 0            # tokens received
+        self.reported = 0           # decode's cumulative count, when it sends one
+        self.finish_reason: str | None = None
+        self.chat_lp: list[dict] = []
+        self.cmpl_lp: dict | None = None
+        self.lp_offset = 0          # completions logprobs text_offset
+        self._last_token_at: float | None = None
+
+    def add(self, chunk: TokenChunk) -> tuple[str, dict | None]:
+        """Account one chunk; returns (new text, its logprobs in the wire format or None).
+        Raises OpenAIError when the chunk carries an error or an abort."""
+        if chunk.finished:
+            self.d.finished = True
+        if chunk.error is not None:
+            raise chunk_error(chunk.error, self.d.instance)
+        if chunk.finished and chunk.finish_reason not in ("stop", "length"):
+            raise OpenAIError(503, f"decode instance {self.d.instance} ended the request with "
+                                   f"finish_reason={chunk.finish_reason!r}", code="aborted")
+        self._time(len(chunk.token_ids))
+        self.counted += len(chunk.token_ids)
+        self.reported = max(self.reported, chunk.completion_tokens)
+        if chunk.prompt_tokens:
+            self.prompt_tokens = chunk.prompt_tokens
+        if chunk.finished:
+            self.finish_reason = chunk.finish_reason
+        self.parts.append(chunk.text)
+        self.token_ids += chunk.token_ids
+        return chunk.text, self._logprobs(chunk)
+
+    def _time(self, n: int) -> None:
+        if not n:
+            return
+        now = time.monotonic()
+        if self._last_token_at is None:
+            self.metrics.ttft.observe(now - self.arrival)
+        else:
+            self.metrics.itl.observe((now - self._last_token_at) / n, n)
+        self._last_token_at = now
+
+    def _logprobs(self, chunk: TokenChunk) -> dict | None:
+        if not self.prep.options.logprobs or not chunk.logprobs:
+            return None
+        if self.prep.options.chat:
+            lp = P.chat_logprobs(chunk.logprobs, self.token_text)
+            self.chat_lp += lp["content"]
+            return lp
+        lp = P.completion_logprobs(chunk.logprobs, self.token_text, self.lp_offset)
+        self.lp_offset += sum(len(t) for t in lp["tokens"])
+        self.cmpl_lp = P.merge_completion_logprobs(self.cmpl_lp, lp)
+        return lp
+
+    @property
+    def usage(self) -> dict:
+        return P.usage(self.prompt_tokens, self.reported or self.counted)
+
+    def all_logprobs(self) -> dict | None:
+        if not self.prep.options.logprobs:
+            return None
+        if self.prep.options.chat:
+            return {"content": self.chat_lp, "refusal": None}
+        return self.cmpl_lp or P.completion_logprobs([], self.token_text, 0)
+
+
+async def answer(request: web.Request, client: DecodeClient, d: Dispatch, prep: Prepared,
+                 rid: str, arrival: float, metrics: Metrics,
+                 token_text: Callable[[int], str]) -> web.StreamResponse:
+    deadline = arrival + client.request_timeout_s
+    ans = Answer(prep, d, arrival, metrics, token_text)
+    reason = "client"
+    try:
+        if prep.options.stream:
+            return await _stream(request, client, d, ans, rid, deadline)
+        return await _complete(request, client, d, ans, rid, deadline)
+    except OpenAIError as e:
+        reason = e.code or "error"
+        metrics.failures.inc(code=reason)
+        raise
+    except (ClientGone, ConnectionError, asyncio.CancelledError):
+        metrics.failures.inc(code="client_gone")
+        raise
+    finally:
+        await client.abort(d, reason)     # no-op when decode finished it
+        client.release(d)
+
+
+def _client_gone(request: web.Request) -> Callable[[], bool]:
+    def gone() -> bool:
+        tr = request.transport
+        return tr is None or tr.is_closing()
+    return gone
+
+
+async def _complete(request, client, d, ans: Answer, rid, deadline) -> web.Response:
+    gone = _client_gone(request)
+    while not d.finished:
+        ans.add(await client.next_chunk(d, deadline, gone))
+    o = ans.prep.options
+    created = int(time.time())
+    build = P.chat_completion if o.chat else P.completion
+    body = build(rid, created, o.model, "".join(ans.parts), ans.finish_reason, ans.usage,
+                 ans.all_logprobs())
+    if o.return_token_ids:
+        body["choices"][0]["token_ids"] = ans.token_ids
+    return web.Response(body=P.dumps(body), content_type="application/json",
+                        headers={"x-pdmesh-path": d.path.value})
+
+
+async def _stream(request, client, d, ans: Answer, rid, deadline) -> web.StreamResponse:
+    o = ans.prep.options
+    created = int(time.time())
+    resp = web.StreamResponse(headers=SSE_HEADERS | {"x-pdmesh-path": d.path.value})
+    await resp.prepare(request)
+
+    def chunk(text: str, finish: str | None = None, lp: dict | None = None,
+              role: bool = False, ids: list[int] | None = None) -> bytes:
+        if o.chat:
+            delta = {"role": "assistant", "content": text} if role else (
+                {"content": text} if text or lp else {})
+            body = P.chat_chunk(rid, created, o.model, delta, finish, lp, o.include_usage)
+        else:
+            body = P.completion_chunk(rid, created, o.model, text, finish, lp, o.include_usage)
+        if o.return_token_ids and ids:
+            body["choices"][0]["token_ids"] = ids
+        return P.sse(body)
+
+    gone = _client_gone(request)
+    try:
+        if o.chat:
+            await resp.write(chunk("", role=True))
+        while not d.finished:
+            c = await client.next_chunk(d, deadline, gone)
+            text, lp = ans.add(c)
+            if text or lp or (o.return_token_ids and c.token_ids):
+                await resp.write(chunk(text, lp=lp, ids=c.token_ids))
+        await resp.write(chunk("", finish=ans.finish_reason))
+        if o.include_usage:
+            await resp.write(P.sse(P.usage_chunk(rid, created, o.model, o.chat, ans.usage)))
+    except OpenAIError as e:
+        # headers are gone: the error travels as an SSE event, then [DONE]
+        ans.metrics.failures.inc(code=e.code or "error")
+        await client.abort(d, e.code or "error")
+        await resp.write(P.sse(e.body()))
+    await resp.write(P.SSE_DONE)
+    await resp.write_eof()
+    return resp

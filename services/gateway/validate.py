@@ -1,0 +1,333 @@
+"""Request body -> (prompt ids, SamplingParams, Constraint, Options), or an OpenAIError.
+
+Pure: no I/O and no randomness (the seed, when the client gave none, is drawn at dispatch).
+Cheap checks run before the chat template is rendered and the prompt tokenized. Every
+error names the offending parameter, in the message and in `param`.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import msgspec
+
+from shared.contracts.constraint import Constraint
+from shared.contracts.sampling import SamplingParams
+
+from .model import ModelSpec
+from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, OpenAIError
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_STOP = 4
+MAX_TOP_LOGPROBS = 20
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+SEED_RANGE = (-(1 << 63), 1 << 64)
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    """How to answer (everything about a request that does not change its tokens)."""
+    chat: bool
+    model: str              # echoed in responses
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    return_token_ids: bool = False
+    force_path: str | None = None          # "pd" | "colocated"
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    prompt_ids: list[int]
+    params: SamplingParams  # seed may still be None: resolved at dispatch
+    constraint: Constraint
+    options: Options
+
+
+# ---- entry points ------------------------------------------------------------------------
+
+
+def parse_chat(body: bytes, spec: ModelSpec) -> Prepared:
+    req = _decode(body, ChatCompletionRequest)
+    _check_model(req.model, spec)
+    _check_common(req)
+    _check_not_yet_supported_chat(req)
+    messages = [_message_dict(i, m) for i, m in enumerate(req.messages)] if req.messages else None
+    if not messages:
+        raise OpenAIError(400, "'messages' must contain at least one message", "messages")
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise OpenAIError(400, "'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise OpenAIError(400, f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got "
+                                   f"{req.top_logprobs}", "top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    requested = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
+    params = _sampling(req, spec, requested, max_param, logprobs, chat=True)
+
+    try:
+        prompt_ids = spec.tokenizer.encode_chat(messages)
+    except _template_errors() as e:
+        raise OpenAIError(400, f"the chat template cannot render these messages: {e}",
+                          "messages") from e
+    max_tokens = _fit_context(len(prompt_ids), requested, spec.max_model_len, "messages", max_param)
+    params = _final(params, max_tokens, spec, max_param, chat=True)
+    return Prepared(prompt_ids, params, Constraint(), _options(req, spec, chat=True,
+                                                                logprobs=logprobs is not None))
+
+
+def parse_completion(body: bytes, spec: ModelSpec) -> Prepared:
+    req = _decode(body, CompletionRequest)
+    _check_model(req.model, spec)
+    _check_common(req)
+    if req.echo:
+        raise OpenAIError(400, "'echo' is not supported", "echo")
+    if req.suffix:
+        raise OpenAIError(400, "'suffix' is not supported", "suffix")
+    if req.best_of is not None and req.best_of != 1:
+        raise OpenAIError(400, f"'best_of' must be 1 (only one completion per request is "
+                               f"supported), got {req.best_of}", "best_of")
+    requested = req.max_tokens if req.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
+    params = _sampling(req, spec, requested, "max_tokens", req.logprobs, chat=False)
+
+    text, ids = _prompt(req.prompt)
+    if text is not None:
+        ids = spec.tokenizer.encode(text, add_special_tokens=True)
+        if not ids:
+            raise OpenAIError(400, "'prompt' encodes to no tokens", "prompt")
+    bad = [t for t in ids if not 0 <= t < spec.vocab_size]
+    if bad:
+        raise OpenAIError(400, f"prompt token ids out of range [0, {spec.vocab_size}): {bad[:5]}",
+                          "prompt")
+    max_tokens = _fit_context(len(ids), requested, spec.max_model_len, "prompt", "max_tokens")
+    params = _final(params, max_tokens, spec, "max_tokens", chat=False)
+    return Prepared(ids, params, Constraint(), _options(req, spec, chat=False,
+                                                         logprobs=req.logprobs is not None))
+
+
+# ---- body --------------------------------------------------------------------------------
+
+_AT = re.compile(r" - at `\$(.*)`$")
+_MISSING = re.compile(r"^Object missing required field `([^`]+)`")
+
+
+def _decode(body: bytes, typ: type):
+    try:
+        return msgspec.json.decode(body, type=typ)
+    except msgspec.ValidationError as e:
+        raise _type_error(str(e)) from None
+    except msgspec.DecodeError as e:
+        raise OpenAIError(400, f"request body is not valid JSON: {e}") from None
+
+
+def _type_error(msg: str) -> OpenAIError:
+    m = _AT.search(msg)
+    path = m.group(1).lstrip(".") if m else ""
+    text = msg[:m.start()] if m else msg
+    missing = _MISSING.match(text)
+    if missing:
+        param = f"{path}.{missing[1]}" if path else missing[1]
+        return OpenAIError(400, f"'{param}' is a required property", param)
+    if not path:
+        return OpenAIError(400, f"request body must be a JSON object ({text})")
+    return OpenAIError(400, f"Invalid type for '{path}': {text}", path)
+
+
+def _check_model(model: str | None, spec: ModelSpec) -> None:
+    if not spec.accepts(model):
+        raise OpenAIError(404, f"The model `{model}` does not exist; this server serves "
+                               f"`{spec.name}`.", "model", code="model_not_found")
+
+
+def _check_common(req) -> None:
+    if req.n is not None and req.n != 1:
+        raise OpenAIError(400, f"'n' must be 1 (only one choice per request is supported), "
+                               f"got {req.n}", "n")
+    if req.stream_options is not None and not req.stream:
+        raise OpenAIError(400, "'stream_options' is only allowed when 'stream' is true",
+                          "stream_options")
+    if isinstance(req.stop, list) and len(req.stop) > MAX_STOP:
+        raise OpenAIError(400, f"'stop' may hold at most {MAX_STOP} sequences, got "
+                               f"{len(req.stop)}", "stop")
+    if req.seed is not None and not SEED_RANGE[0] <= req.seed < SEED_RANGE[1]:
+        raise OpenAIError(400, f"'seed' must fit in 64 bits, got {req.seed}", "seed")
+
+
+def _check_not_yet_supported_chat(req: ChatCompletionRequest) -> None:
+    """Tool calling and structured output arrive with the constraint work; until then the
+    fields parse (so their types are checked) and are refused by name."""
+    for name in ("functions", "function_call"):
+        if getattr(req, name) is not None:
+            raise OpenAIError(400, f"'{name}' is not supported; it is the deprecated form of "
+                                   f"'tools'", name)
+    if req.tools:
+        raise OpenAIError(400, "'tools' is not supported yet", "tools")
+    if req.tool_choice is not None and req.tool_choice not in ("none", "auto"):
+        raise OpenAIError(400, "'tool_choice' is not supported yet (no 'tools' can be given)",
+                          "tool_choice")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise OpenAIError(400, f"'response_format' of type '{req.response_format.type}' is not "
+                               f"supported yet", "response_format")
+
+
+# ---- chat messages -----------------------------------------------------------------------
+
+
+def _message_dict(i: int, m: ChatMessage) -> dict:
+    p = f"messages[{i}]"
+    if m.role not in ROLES:
+        raise OpenAIError(400, f"'{p}.role' must be one of 'system', 'user', 'assistant', "
+                               f"'tool'; got '{m.role}'", f"{p}.role")
+    content = m.content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if part.type != "text":
+                raise OpenAIError(400, f"'{p}.content[{j}]' has type '{part.type}'; only 'text' "
+                                       f"content parts are supported", f"{p}.content[{j}].type")
+            if part.text is None:
+                raise OpenAIError(400, f"'{p}.content[{j}].text' is a required property",
+                                  f"{p}.content[{j}].text")
+            texts.append(part.text)
+        content = "\n".join(texts)
+    if content is None and not (m.role == "assistant" and m.tool_calls):
+        raise OpenAIError(400, f"'{p}.content' is required for a '{m.role}' message",
+                          f"{p}.content")
+    out: dict = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+    if m.name is not None:
+        out["name"] = m.name
+    if m.tool_calls:
+        out["tool_calls"] = msgspec.to_builtins(m.tool_calls)
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _template_errors() -> tuple[type[Exception], ...]:
+    from jinja2 import TemplateError
+    return (TemplateError,)
+
+
+# ---- completions prompt ------------------------------------------------------------------
+
+
+def _is_id(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _prompt(prompt) -> tuple[str | None, list[int]]:
+    """(text, []) or (None, token ids)."""
+    if prompt is None:
+        raise OpenAIError(400, "'prompt' is a required property", "prompt")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise OpenAIError(400, "'prompt' must not be empty", "prompt")
+        return prompt, []
+    if isinstance(prompt, list):
+        if not prompt:
+            raise OpenAIError(400, "'prompt' must not be empty", "prompt")
+        if all(_is_id(x) for x in prompt):
+            return None, list(prompt)
+        if all(isinstance(x, str) for x in prompt) or all(isinstance(x, list) for x in prompt):
+            if len(prompt) > 1:
+                raise OpenAIError(400, f"batch prompts (a list of {len(prompt)} prompts) are not "
+                                       f"supported; send one prompt per request", "prompt")
+            return _prompt(prompt[0])
+    raise OpenAIError(400, "'prompt' must be a string, a list of token ids, or a list holding "
+                           "one of those", "prompt")
+
+
+# ---- sampling ----------------------------------------------------------------------------
+
+
+def _sampling(req, spec: ModelSpec, requested: int | None, max_param: str,
+              logprobs: int | None, chat: bool) -> SamplingParams:
+    if requested is not None and requested < 1:
+        raise OpenAIError(400, f"'{max_param}' must be at least 1, got {requested}", max_param)
+    bias = None
+    if req.logit_bias:
+        bias = {}
+        for key, value in req.logit_bias.items():
+            try:
+                tok = int(key)
+            except ValueError:
+                raise OpenAIError(400, f"'logit_bias' keys must be token ids (strings of "
+                                       f"integers), got {key!r}", "logit_bias") from None
+            if not 0 <= tok < spec.vocab_size:
+                raise OpenAIError(400, f"'logit_bias' token id {tok} is out of range "
+                                       f"[0, {spec.vocab_size})", "logit_bias")
+            bias[tok] = value
+    stop_ids = tuple(req.stop_token_ids or ())
+    bad = [t for t in stop_ids if not 0 <= t < spec.vocab_size]
+    if bad:
+        raise OpenAIError(400, f"'stop_token_ids' out of range [0, {spec.vocab_size}): {bad[:5]}",
+                          "stop_token_ids")
+    top_k = req.top_k if req.top_k not in (None, -1) else 0   # vLLM spells "off" as -1
+    params = SamplingParams(
+        temperature=_or(req.temperature, 1.0), top_p=_or(req.top_p, 1.0), top_k=top_k,
+        min_p=_or(req.min_p, 0.0), presence_penalty=_or(req.presence_penalty, 0.0),
+        frequency_penalty=_or(req.frequency_penalty, 0.0),
+        repetition_penalty=_or(req.repetition_penalty, 1.0), logit_bias=bias, seed=req.seed,
+        max_tokens=requested if requested is not None else spec.max_model_len,
+        min_tokens=_or(req.min_tokens, 0),
+        stop=(req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()),
+        stop_token_ids=stop_ids, ignore_eos=bool(req.ignore_eos),
+        include_stop_str_in_output=bool(req.include_stop_str_in_output), logprobs=logprobs)
+    _check(params, spec, max_param, chat)
+    return params
+
+
+def _final(params: SamplingParams, max_tokens: int, spec: ModelSpec, max_param: str,
+           chat: bool) -> SamplingParams:
+    if max_tokens != params.max_tokens:
+        params = msgspec.structs.replace(params, max_tokens=max_tokens)
+        _check(params, spec, max_param, chat)
+    return params
+
+
+def _check(params: SamplingParams, spec: ModelSpec, max_param: str, chat: bool) -> None:
+    try:
+        params.check(spec.vocab_size)
+    except ValueError as e:
+        field = str(e).split(" ", 1)[0]
+        param = {"max_tokens": max_param, "logprobs": "top_logprobs" if chat else "logprobs",
+                 "token": None}.get(field, field)
+        raise OpenAIError(400, str(e), param) from None
+
+
+def _fit_context(n_prompt: int, requested: int | None, window: int, prompt_name: str,
+                 max_param: str) -> int:
+    """max_tokens for the request: as asked if it fits the window, else a 400 with the numbers
+    (vLLM's wording); chat's default is whatever the window leaves."""
+    if requested is None:
+        if n_prompt >= window:
+            raise OpenAIError(400, f"This model's maximum context length is {window} tokens. "
+                                   f"However, your {prompt_name} resulted in {n_prompt} tokens, "
+                                   f"leaving no room for a completion. Please reduce the length "
+                                   f"of the {prompt_name}.", prompt_name,
+                              code="context_length_exceeded")
+        return window - n_prompt
+    if n_prompt + requested > window:
+        raise OpenAIError(400, f"This model's maximum context length is {window} tokens. However, "
+                               f"you requested {n_prompt + requested} tokens ({n_prompt} in the "
+                               f"{prompt_name}, {requested} in the completion). Please reduce the "
+                               f"length of the {prompt_name} or completion.",
+                          max_param if n_prompt < window else prompt_name,
+                          code="context_length_exceeded")
+    return requested
+
+
+def _options(req, spec: ModelSpec, chat: bool, logprobs: bool) -> Options:
+    stream = bool(req.stream)
+    include_usage = bool(stream and req.stream_options and req.stream_options.include_usage)
+    if req.pdmesh_path not in (None, "pd", "colocated"):
+        raise OpenAIError(400, f"'pdmesh_path' must be 'pd' or 'colocated', got {req.pdmesh_path!r}",
+                          "pdmesh_path")
+    return Options(chat=chat, model=spec.name, stream=stream, include_usage=include_usage,
+                   logprobs=logprobs, return_token_ids=bool(req.return_token_ids),
+                   force_path=req.pdmesh_path)
+
+
+def _or(value, default):
+    return default if value is None else value

@@ -1,0 +1,130 @@
+"""Bad input gets a clear 4xx with an OpenAI-style body, over HTTP and over NATS, and the
+mesh stays healthy."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import nats
+import pytest
+
+from shared import subjects
+
+BAD = [
+    ("POST", "/v1/chat/completions", b"{not json", 400),
+    ("POST", "/v1/chat/completions", b"[1, 2]", 400),
+    ("POST", "/v1/chat/completions", b"", 400),
+    ("POST", "/v1/chat/completions", {"model": "tiny-target"}, 400),
+    ("POST", "/v1/chat/completions", {"model": "tiny-target", "messages": []}, 400),
+    ("POST", "/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404),
+    ("POST", "/v1/chat/completions", {"model": "tiny-target", "messages": [{"role": "wizard", "content": "x"}]}, 400),
+    ("POST", "/v1/chat/completions", {"model": "tiny-target", "messages": [{"role": "user", "content": 5}]}, 400),
+    ("POST", "/v1/chat/completions", {"model": "tiny-target", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400),
+    ("POST", "/v1/chat/completions", {"model": "tiny-target", "messages": [{"role": "user", "content": "x"}], "temperature": 7}, 400),
+    ("POST", "/v1/chat/completions", {"model": "tiny-target", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400),
+    ("POST", "/v1/chat/completions", {"model": "tiny-target", "messages": [{"role": "user", "content": "x"}], "max_tokens": 10 ** 7}, 400),
+    ("POST", "/v1/chat/completions", {"model": "tiny-target", "messages": [{"role": "user", "content": "x"}], "n": 3}, 400),
+    ("POST", "/v1/chat/completions", {"model": "tiny-target", "messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}, 400),
+    ("POST", "/v1/chat/completions", {"model": "tiny-target", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"abc": 1}}, 400),
+    ("POST", "/v1/chat/completions", {"model": "tiny-target", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 50, "logprobs": True}, 400),
+    ("POST", "/v1/chat/completions", {"model": "tiny-target", "messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}}, 400),
+    ("POST", "/v1/completions", {"model": "tiny-target", "prompt": ""}, 400),
+    ("POST", "/v1/completions", {"model": "tiny-target", "prompt": [999999999]}, 400),
+    ("POST", "/v1/completions", {"model": "tiny-target", "prompt": "x", "echo": True}, 400),
+    ("GET", "/v1/chat/completions", None, 405),
+    ("POST", "/v1/nothing", {}, 404),
+]
+
+
+def test_malformed_http_inputs_get_4xx_and_mesh_stays_healthy(mesh):
+    async def run():
+        async with aiohttp.ClientSession() as http:
+            for method, path, payload, status in BAD:
+                data = payload if isinstance(payload, (bytes, type(None))) else json.dumps(payload).encode()
+                async with http.request(method, mesh.url + path, data=data,
+                                        headers={"content-type": "application/json"}) as r:
+                    assert r.status == status, (path, payload, r.status, await r.text())
+                    if path.startswith("/v1/") and status != 405:
+                        err = (await r.json())["error"]
+                        assert err["message"] and err["type"], err
+            async with http.get(mesh.url + "/health") as r:
+                assert r.status == 200
+            async with http.post(mesh.url + "/v1/completions", json={
+                    "model": "tiny-target", "prompt": "def f():", "max_tokens": 4}) as r:
+                assert r.status == 200
+
+    asyncio.run(run())
+
+
+GARBAGE = [b"\x00\xff garbage", b"{}", b'{"v": 1, "request_id": 5}', b"[]", b'"str"',
+           b'{"request_id": "x", "prompt_ids": "nope"}']
+
+
+def test_garbage_on_every_service_subject_is_survived(mesh):
+    async def run():
+        nc = await nats.connect(mesh.nats_url)
+        instances = {}
+        for name, proc in mesh.procs.items():
+            if proc.instance_id:
+                instances[name.rsplit("-", 1)[0]] = proc.instance_id
+        targets = [subjects.decode_submit(instances["decode"]),
+                   subjects.decode_abort(instances["decode"]),
+                   subjects.decode_kv(instances["decode"]),
+                   subjects.decode_prefill_done(instances["decode"]),
+                   subjects.prefill_jobs(), subjects.kvstore_health(),
+                   subjects.gateway_tokens(instances["gateway"]),
+                   subjects.heartbeat("decode"), subjects.heartbeat("prefill")]
+        for subj in targets:
+            for g in GARBAGE:
+                try:
+                    r = await nc.request(subj, g, timeout=1.0, headers={"Pdmesh-seq": "x"})
+                    if r.headers and "Nats-Service-Error-Code" in r.headers:
+                        assert r.headers["Nats-Service-Error-Code"].startswith("4"), r.headers
+                except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+                    pass  # fire-and-forget subjects have no reply
+        await asyncio.sleep(0.5)
+        for service, iid in instances.items():
+            r = await nc.request(subjects.health(service, iid), b"", timeout=2)
+            assert json.loads(r.data)["ok"], service
+        await nc.close()
+        async with aiohttp.ClientSession() as http:
+            async with http.post(mesh.url + "/v1/completions", json={
+                    "model": "tiny-target", "prompt": "x = 1", "max_tokens": 4}) as r:
+                assert r.status == 200
+
+    asyncio.run(run())
+    assert not mesh.unexpected_exits()
+
+
+def test_micro_discovery_finds_all_four_services(mesh):
+    async def run():
+        nc = await nats.connect(mesh.nats_url)
+        inbox = nc.new_inbox()
+        names = []
+
+        async def cb(msg):
+            names.append(json.loads(msg.data)["name"])
+
+        await nc.subscribe(inbox, cb=cb)
+        await nc.publish("$SRV.PING", b"", reply=inbox)
+        await asyncio.sleep(0.5)
+        await nc.close()
+        return names
+
+    assert set(asyncio.run(run())) >= {"gateway", "decode", "prefill", "kvstore"}
+
+
+@pytest.mark.parametrize("payload", [b"", b"x" * 10])
+def test_pd_jobs_with_garbage_are_dropped(mesh, payload):
+    """A malformed job on the JetStream queue is terminated, not redelivered forever."""
+    async def run():
+        nc = await nats.connect(mesh.nats_url)
+        js = nc.jetstream()
+        await js.publish(subjects.prefill_jobs(), payload)
+        await asyncio.sleep(1.0)
+        info = await js.stream_info(subjects.PREFILL_STREAM)
+        await nc.close()
+        return info.state.messages
+
+    assert asyncio.run(run()) == 0

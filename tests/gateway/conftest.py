@@ -1,0 +1,70 @@
+"""Gateway fixtures: the served model's spec (tokenizer + context window) and a real
+nats-server on a free port."""
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import SMOLLM2_DIR, TINY_TARGET
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
+
+
+@pytest.fixture(scope="session")
+def gateway_model_dir() -> Path:
+    """The bundled tiny target once its tokenizer is there, else the converted SmolLM2
+    folder. The gateway needs only the tokenizer and config.json, never the weights."""
+    for folder in (TINY_TARGET, SMOLLM2_DIR):
+        if _has_tokenizer(folder):
+            return folder
+    pytest.skip("no model folder with a tokenizer (models/tiny-target or SmolLM2)")
+
+
+@pytest.fixture(scope="session")
+def spec(gateway_model_dir):
+    from services.gateway.config import GatewayConfig
+    from services.gateway.model import ModelSpec
+
+    return ModelSpec.load(GatewayConfig(model=str(gateway_model_dir)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def nats_url(tmp_path_factory):
+    binary = Path(sys.executable).parent / "nats-server"
+    binary = str(binary) if binary.exists() else shutil.which("nats-server")
+    if not binary:
+        pytest.skip("nats-server binary not found")
+    port = _free_port()
+    store = tmp_path_factory.mktemp("nats")
+    proc = subprocess.Popen([binary, "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("nats-server did not start")
+            time.sleep(0.05)
+    yield f"nats://127.0.0.1:{port}"
+    proc.terminate()
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        proc.kill()

@@ -1,0 +1,79 @@
+"""Pure cores of the gateway: the decode registry (liveness, least-loaded choice) and the
+Prometheus text it serves."""
+from __future__ import annotations
+
+from services.gateway.metrics import Counter, Histogram, Metrics
+from services.gateway.registry import Registry
+from shared.contracts.messages import Heartbeat
+
+
+def hb(iid: str, **kw) -> Heartbeat:
+    return Heartbeat(service=kw.pop("service", "decode"), instance_id=iid, **kw)
+
+
+def test_least_loaded_not_round_robin():
+    r = Registry(dead_after_s=3.0)
+    r.observe(hb("a", running=4, waiting=1), now=0.0)
+    r.observe(hb("b", running=1, queue_depth=1), now=0.0)
+    r.observe(hb("c", running=3), now=0.0)
+    assert [r.choose(1.0) for _ in range(2)] == ["b", "b"]   # load does not change without sends
+    r.sent("b")
+    r.sent("b")                        # b: 2 + 2 sent since its heartbeat = 4 > c's 3
+    assert r.choose(1.0) == "c"
+    r.observe(hb("b", running=1, queue_depth=1), now=1.5)   # a heartbeat resets the local count
+    assert r.choose(1.5) == "b"
+
+
+def test_ties_go_to_more_free_blocks_and_exclude_is_honoured():
+    r = Registry(dead_after_s=3.0)
+    r.observe(hb("a", running=1, blocks_free=10), now=0.0)
+    r.observe(hb("b", running=1, blocks_free=50), now=0.0)
+    assert r.choose(0.0) == "b"
+    assert r.choose(0.0, exclude={"b"}) == "a"
+    assert r.choose(0.0, exclude={"a", "b"}) is None
+    assert "tried" in r.why_none(0.0, {"a", "b"})
+
+
+def test_liveness_by_last_heartbeat():
+    r = Registry(dead_after_s=3.0)
+    r.observe(hb("a"), now=10.0)
+    r.observe(hb("p", service="prefill"), now=10.0)    # only decode instances are books
+    assert r.is_alive("a", 12.9) and not r.is_alive("a", 13.1) and not r.is_alive("p", 10.0)
+    assert r.choose(13.1) is None and "no decode instance" in r.why_none(13.1)
+    assert r.silent_for("a", 14.0) == 4.0
+
+
+def test_other_tokenizer_is_not_chosen():
+    r = Registry(dead_after_s=3.0, fingerprint="mine")
+    r.observe(hb("a", tokenizer_fingerprint="theirs"), now=0.0)
+    assert r.choose(0.0) is None and "different tokenizer" in r.why_none(0.0)
+    r.observe(hb("b", tokenizer_fingerprint=""), now=0.0)      # unknown: allowed
+    assert r.choose(0.0) == "b"
+
+
+def test_totals_sum_live_instances_only():
+    r = Registry(dead_after_s=3.0)
+    r.observe(hb("a", queue_depth=2, blocks_used=5, blocks_free=1), now=0.0)
+    r.observe(hb("b", queue_depth=3, blocks_used=7, blocks_free=2), now=2.0)
+    assert r.totals(2.5) == {"instances": 2, "running": 0, "waiting": 0, "queue_depth": 5,
+                            "blocks_free": 3, "blocks_used": 12}
+    assert r.totals(4.0)["blocks_used"] == 7
+
+
+def test_prometheus_text():
+    c = Counter("x_total", "Things.")
+    c.inc(path='/a"b', status="200")
+    c.inc(path='/a"b', status="200")
+    assert c.render() == ["# HELP x_total Things.", "# TYPE x_total counter",
+                          'x_total{path="/a\\"b",status="200"} 2']
+    h = Histogram("lat_seconds", "Latency.", (0.1, 1.0))
+    h.observe(0.05)
+    h.observe(0.1)          # le is inclusive
+    h.observe(5.0, n=2)
+    lines = h.render()
+    assert 'lat_seconds_bucket{le="0.1"} 2' in lines
+    assert 'lat_seconds_bucket{le="1.0"} 2' in lines
+    assert 'lat_seconds_bucket{le="+Inf"} 4' in lines
+    assert "lat_seconds_count 4" in lines and "lat_seconds_sum 10.15" in lines
+    text = Metrics().render({"g": ("A gauge.", 3)})
+    assert text.endswith("# TYPE g gauge\ng 3\n")
