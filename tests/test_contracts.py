@@ -1,0 +1,64 @@
+"""Contracts: typed decoders refuse wrong shapes with a ContractError; KV headers survive
+a round trip; subjects obey the naming rules."""
+from __future__ import annotations
+
+import re
+
+import msgspec
+import pytest
+
+from shared import subjects
+from shared.contracts.common import Codec, ContractError, encode
+from shared.contracts.kv import KvWrite
+from shared.contracts.messages import DecodeSubmit, KvDestination, PrefillJob
+from shared.contracts.sampling import SamplingParams
+
+
+def test_typed_decoder_rejects_wrong_types():
+    codec = Codec(DecodeSubmit)
+    for bad in (b"", b"{}", b"[]", b'{"request_id": 1}', b"\xff\xfe",
+                b'{"request_id":"a","prompt_ids":"x","params":{},"tokenizer_fingerprint":"f","reply_subject":"s"}'):
+        with pytest.raises(ContractError):
+            codec.decode(bad)
+
+
+def test_prefill_job_roundtrip_keeps_every_field():
+    job = PrefillJob(request_id="r", prompt_ids=[1, 2], tokenizer_fingerprint="fp", model="m",
+                     block_size=16,
+                     params=SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.1,
+                                           presence_penalty=0.5, frequency_penalty=-0.5,
+                                           repetition_penalty=1.1, logit_bias={5: -3.0},
+                                           seed=42, max_tokens=9, min_tokens=2, stop=("x",),
+                                           stop_token_ids=(3,), ignore_eos=True, logprobs=2),
+                     dest=KvDestination(instance_id="d", block_ids=[4, 5], epochs=[7, 8]))
+    assert Codec(PrefillJob).decode(encode(job)) == job
+
+
+def test_kv_write_headers_roundtrip():
+    w = KvWrite(request_id="r", epochs=[1, 2], block_ids=[3, 4], layer_start=0, layer_end=6,
+                dtype="bfloat16", shape=[6, 2, 2, 16, 2, 32], checksum=123, seq=0, sender="p")
+    h = w.headers()
+    assert all(isinstance(v, str) for v in h.values())
+    assert KvWrite.from_headers(h) == w
+    with pytest.raises(ContractError):
+        KvWrite.from_headers({"Pdmesh-request_id": "r"})
+    with pytest.raises(ContractError):
+        KvWrite.from_headers(None)
+
+
+def test_subjects_follow_the_rules():
+    made = [subjects.decode_submit("d_1"), subjects.decode_abort("d_1"), subjects.decode_kv("d_1"),
+            subjects.decode_prefill_done("d_1"), subjects.prefill_jobs(),
+            subjects.prefill_reclaim("p_1"), subjects.gateway_tokens("g_1"),
+            subjects.kvstore_health(), subjects.heartbeat("decode"),
+            subjects.request_event("aborted"), subjects.health("decode", "d_1")]
+    for s in made:
+        assert re.fullmatch(r"[a-z0-9_]+(\.[a-z0-9_]+){1,4}", s), s
+    with pytest.raises(ValueError):
+        subjects.decode_submit("Bad.Id")
+    assert subjects.instance_token("Decode-host.1") == "decode_host_1"
+
+
+def test_messages_are_json_for_nats_sub():
+    sp = SamplingParams(seed=1)
+    assert msgspec.json.decode(encode(sp)) == {"seed": 1}
