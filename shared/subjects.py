@@ -85,4 +85,9 @@ def request_event(event: str) -> str:           # e.g. aborted, redispatched
     return _subject("evt", "request", event)
 
 
+# ---- bench ---------------------------------------------------------------------------
+def bench_raw(run: str) -> str:                 # pdmesh bench: raw request/reply baseline
+    return _subject("bench", "raw", run)
+
+
 ALL = f"{PREFIX}.>"

@@ -26,6 +26,7 @@ class KvSender:
         self.sender_id = sender_id
         self.window = window
         self.ack_timeout_s = ack_timeout_s
+        self.max_write_bytes = 0        # the largest payload sent so far (for STATS)
 
     async def send(self, job: PrefillJob, engine, local_id: str) -> tuple[int, int]:
         """Write every prompt block; returns (writes issued, bytes). Raises on any
@@ -52,6 +53,7 @@ class KvSender:
                                             headers=meta.headers())
                 ack = decode_reply(msg.data, msg.headers, ACK)
                 total += len(payload)
+                self.max_write_bytes = max(self.max_write_bytes, len(payload))
                 if not ack.applied:
                     raise RuntimeError(f"decode discarded KV write {p.index} (request gone or fenced)")
 

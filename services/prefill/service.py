@@ -46,8 +46,10 @@ class PrefillService:
         self.active = 0
         self.slots = asyncio.Semaphore(cfg.max_jobs)
         self.wake = asyncio.Event()
+        # kv_transfer_s: summed transfer time of every job (kv_bytes / kv_transfer_s is the
+        # per-job KV throughput); kv_max_write_bytes: the largest KV write payload sent
         self.counters = {"jobs_done": 0, "jobs_failed": 0, "kv_writes": 0, "kv_bytes": 0,
-                         "bad_jobs": 0}
+                         "kv_transfer_s": 0.0, "kv_max_write_bytes": 0, "bad_jobs": 0}
 
     async def start(self) -> None:
         await self.rt.start()
@@ -83,7 +85,8 @@ class PrefillService:
                          blocks_used=st["blocks_used"], ts=time.time())
 
     def stats(self) -> dict:
-        return self.engine.stats() | {"jobs_active": self.active} | self.counters
+        return self.engine.stats() | {"jobs_active": self.active,
+                                      "kv_window": self.cfg.kv_window} | self.counters
 
     # ---- jobs -------------------------------------------------------------------------
     async def fetch_loop(self) -> None:
@@ -133,14 +136,17 @@ class PrefillService:
                 await asyncio.sleep(self.cfg.fault_delay_before_kv_s)
             t1 = time.monotonic()
             writes, nbytes = await self.sender.send(job, self.engine, local_id)
+            transfer_s = time.monotonic() - t1
             self.counters["kv_writes"] += writes
             self.counters["kv_bytes"] += nbytes
+            self.counters["kv_transfer_s"] += transfer_s
+            self.counters["kv_max_write_bytes"] = self.sender.max_write_bytes
             lp = out.logprobs[0] if out.logprobs else (None, None, None)
             done = PrefillDone(request_id=job.request_id, status=PrefillStatus.OK,
                                prefill_instance=self.iid, first_token=out.new_token_ids[0],
                                first_logprob=lp[1], first_top_logprobs=lp[2],
                                writes_issued=writes, bytes_sent=nbytes, compute_s=compute_s,
-                               transfer_s=time.monotonic() - t1)
+                               transfer_s=transfer_s)
         except Exception as e:  # noqa: BLE001 - report, never crash the worker
             log.warning("%s: prefill failed: %r", job.request_id, e)
             done = PrefillDone(request_id=job.request_id, status=PrefillStatus.FAILED,

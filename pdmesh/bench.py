@@ -1,0 +1,791 @@
+"""pdmesh bench: PD vs colocated latency and throughput over HTTP; KV transfer vs raw NATS.
+
+    pdmesh bench [--url http://127.0.0.1:8000] [--nats-url nats://127.0.0.1:4222]
+    pdmesh bench --spawn --model PATH [--prefill 1 --decode 1 --threads 1 --dtype float32]
+
+Measured in one run, against one mesh:
+  1. for concurrency c in (1, 4, 16) and path in (pd, colocated): streamed /v1/completions
+     (fixed prompts, max_tokens fixed, ignore_eos, temperature 0, `pdmesh_path` forces the
+     placement and the `x-pdmesh-path` response header is checked): TTFT (p50/p90/mean),
+     inter-token latency (each gap between streamed chunks / tokens in the chunk: mean,
+     p50, p90) and output tokens/s (completion tokens / wall time of the level);
+  2. the same at c=1 with long prompts (~512 tokens), where the KV transfer grows;
+  3. KV transfer: prefill's $SRV.STATS counters (kv_bytes / kv_transfer_s, kv_writes,
+     kv_max_write_bytes) over the PD levels, against a raw nats-py baseline in the same
+     run: the same payload sizes as NATS requests to a plain responder (a separate
+     process that replies at once) with prefill's credit window and with a window of 1.
+Writes <out>/mesh_<model>.json (every number, the config, the ratios and the targets) and
+<out>/mesh_<model>.png.
+
+Targets (reported, not enforced): PD latency at c=1 within 1.3x of colocated (TTFT p50
+and ITL mean); KV transfer >= 50% of raw NATS for the same payloads and window.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+DEFAULT_URL = os.environ.get("PDMESH_URL", "http://127.0.0.1:8000")
+DEFAULT_NATS_URL = os.environ.get("PDMESH_NATS_URL", "nats://127.0.0.1:4222")
+PATHS = ("pd", "colocated")
+TARGET_LATENCY_RATIO = 1.3
+TARGET_KV_VS_RAW = 0.5
+RAW_REPS = 3        # the raw baseline's bytes/s: median of this many runs (--raw-mb in all)
+
+# short prompts: fixed, distinct per request (a numbered header) so no two are the same
+PROMPTS = [
+    "def fibonacci(n):", "import os\n\ndef main():", "class Stack:\n    def __init__(self):",
+    "for i in range(10):", "def read_file(path):\n    with open(path) as f:",
+    "# Sort a list of numbers\n", "def is_prime(n):\n    if n < 2:", "try:\n    import json",
+    "def __repr__(self):", "while True:\n    line = input()", "x = [i * i for i in",
+    "def parse_args(argv):", "if __name__ == '__main__':", "from collections import",
+    "def add(a, b):\n    return", "async def fetch(url):",
+]
+# one paragraph, repeated to build the long prompts
+LONG_UNIT = (
+    "def merge_sorted(a, b):\n"
+    "    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n"
+    "    out, i, j = [], 0, 0\n"
+    "    while i < len(a) and j < len(b):\n"
+    "        if a[i] <= b[j]:\n"
+    "            out.append(a[i]); i += 1\n"
+    "        else:\n"
+    "            out.append(b[j]); j += 1\n"
+    "    return out + a[i:] + b[j:]\n\n")
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---- arguments -------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="pdmesh bench", description=__doc__.split("\n")[0],
+        epilog="Against a running mesh by default; --spawn starts one for the run.")
+    ap.add_argument("--url", default=DEFAULT_URL, help="gateway URL (%(default)s)")
+    ap.add_argument("--nats-url", default=DEFAULT_NATS_URL, help="NATS URL (%(default)s)")
+    sp = ap.add_argument_group("--spawn: start a local mesh (pdmesh up) for the run")
+    sp.add_argument("--spawn", action="store_true")
+    sp.add_argument("--model", help="HF model folder (with --spawn)")
+    sp.add_argument("--prefill", type=int, default=1, metavar="N")
+    sp.add_argument("--decode", type=int, default=1, metavar="M")
+    sp.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
+    sp.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    sp.add_argument("--kv-window", type=int, default=None,
+                    help="prefill's KV credit window (with --spawn; else only the raw "
+                         "baseline's when prefill does not report it; default 8)")
+    sp.add_argument("--kvstore", action="store_true", help="also start kvstore (idle here)")
+    sp.add_argument("--set", action="append", default=[], metavar="SERVICE.FIELD=V",
+                    help="a config field of one service, e.g. decode.max_num_seqs=32")
+    sp.add_argument("--log-dir", default=None, help="write each service's log here")
+    sp.add_argument("--startup-timeout", type=float, default=300.0, metavar="S")
+    ld = ap.add_argument_group("load")
+    ld.add_argument("--concurrency", default="1,4,16", help="levels (%(default)s)")
+    ld.add_argument("--paths", default=",".join(PATHS), help="placements (%(default)s)")
+    ld.add_argument("--requests", type=int, default=None, metavar="N",
+                    help="requests per level (default: max(4, 2*c)); at least c")
+    ld.add_argument("--max-tokens", type=int, default=64)
+    ld.add_argument("--long-tokens", type=int, default=512,
+                    help="long-prompt variant: prompt tokens (0: skip)")
+    ld.add_argument("--long-requests", type=int, default=4, help="long prompts per path (c=1)")
+    ld.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    kv = ap.add_argument_group("raw NATS baseline")
+    kv.add_argument("--raw-mb", type=float, default=64.0,
+                    help="MB sent per payload size and window (%(default)s)")
+    kv.add_argument("--raw-max-s", type=float, default=20.0, help="time cap per raw run")
+    ap.add_argument("--out", default="bench_out", help="output folder (%(default)s)")
+    ap.add_argument("--raw-responder", default=None, help=argparse.SUPPRESS)
+    return ap
+
+
+def _levels(s: str) -> list[int]:
+    try:
+        out = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--concurrency: expected e.g. 1,4,16, got {s!r}") from None
+    if not out or min(out) < 1:
+        raise SystemExit(f"--concurrency: expected positive levels, got {s!r}")
+    return out
+
+
+def requests_for(c: int, requested: int | None) -> int:
+    return max(requested, c) if requested else max(4, 2 * c)
+
+
+# ---- statistics ------------------------------------------------------------------------------
+def percentile(xs: list[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summary(xs: list[float]) -> dict:
+    return {"mean": sum(xs) / len(xs) if xs else None, "p50": percentile(xs, 50),
+            "p90": percentile(xs, 90), "n": len(xs)}
+
+
+# ---- one streamed request ------------------------------------------------------------------
+def completion_body(model: str, prompt: str, path: str, max_tokens: int) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True, "pdmesh_path": path}
+
+
+async def stream_one(http, url: str, body: dict) -> dict:
+    """POST a streamed completion; time every chunk that carries tokens."""
+    t0 = time.perf_counter()
+    first = last = None
+    gaps: list[tuple[float, int]] = []
+    ntok = 0
+    usage = None
+    async with http.post(url + "/v1/completions", json=body) as r:
+        if r.status != 200:
+            raise BenchError(f"HTTP {r.status}: {(await r.text())[:300]}")
+        path = r.headers.get("x-pdmesh-path")
+        async for raw in r.content:        # SSE: one `data: {...}` line per event
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            ev = json.loads(data)
+            if "error" in ev:
+                raise BenchError(f"stream error: {ev['error'].get('message')}")
+            if ev.get("usage"):
+                usage = ev["usage"]
+            choices = ev.get("choices") or []
+            n = len(choices[0].get("token_ids") or ()) if choices else 0
+            if not n:
+                continue
+            now = time.perf_counter()
+            if first is None:
+                first = now
+            else:
+                gaps.append((now - last, n))
+            last = now
+            ntok += n
+    end = time.perf_counter()
+    if first is None:
+        raise BenchError("no token arrived")
+    return {"ttft_s": first - t0, "itl_s": [g / n for g, n in gaps],
+            "decode_s": sum(g for g, _ in gaps), "decode_tokens": sum(n for _, n in gaps),
+            "tokens": (usage or {}).get("completion_tokens") or ntok, "streamed_tokens": ntok,
+            "prompt_tokens": (usage or {}).get("prompt_tokens"), "path": path,
+            "latency_s": end - t0}
+
+
+async def run_level(http, url: str, bodies: list[dict], c: int, label: str) -> dict:
+    """All bodies, at most c in flight; progress lines while it runs."""
+    want = bodies[0]["pdmesh_path"]
+    queue = list(enumerate(bodies))
+    results: list[dict] = []
+    errors: list[str] = []
+    done_tokens = 0
+    every = max(1, len(bodies) // 8)
+    t0 = time.perf_counter()
+
+    async def worker() -> None:
+        nonlocal done_tokens
+        while queue:
+            _i, body = queue.pop(0)
+            try:
+                res = await stream_one(http, url, body)
+            except Exception as e:  # noqa: BLE001 - counted and reported, the level goes on
+                errors.append(f"{type(e).__name__}: {e}"[:300])
+            else:
+                results.append(res)
+                done_tokens += res["tokens"]
+            n = len(results) + len(errors)
+            if n % every == 0 or n == len(bodies):
+                el = time.perf_counter() - t0
+                log(f"  {label}: {n}/{len(bodies)} done, {done_tokens / el:.1f} tok/s"
+                    + (f", {len(errors)} failed" if errors else ""))
+
+    await asyncio.gather(*(worker() for _ in range(min(c, len(bodies)))))
+    wall = time.perf_counter() - t0
+    itl = [x for r in results for x in r["itl_s"]]
+    dec_s = sum(r["decode_s"] for r in results)
+    dec_n = sum(r["decode_tokens"] for r in results)
+    tokens = sum(r["tokens"] for r in results)
+    prompt = [r["prompt_tokens"] for r in results if r["prompt_tokens"]]
+    out = {
+        "path": want, "concurrency": c, "requests": len(bodies), "ok": len(results),
+        "errors": len(errors), "error_samples": errors[:3],
+        "path_mismatch": sum(1 for r in results if r["path"] != want),
+        "paths_seen": sorted({str(r["path"]) for r in results}),
+        "ttft_s": summary([r["ttft_s"] for r in results]),
+        "itl_s": summary(itl),
+        "tpot_s": dec_s / dec_n if dec_n else None,     # token-weighted ITL
+        "latency_s": summary([r["latency_s"] for r in results]),
+        "completion_tokens": tokens, "wall_s": wall,
+        "tokens_per_s": tokens / wall if wall > 0 else None,
+        "prompt_tokens_mean": sum(prompt) / len(prompt) if prompt else None,
+    }
+    if out["path_mismatch"]:
+        log(f"  {label}: WARNING {out['path_mismatch']} answers came back on another path "
+            f"({out['paths_seen']})")
+    return out
+
+
+def fmt_level(r: dict) -> str:
+    def ms(x):
+        return "-" if x is None else f"{x * 1e3:.1f}"
+    tps = r["tokens_per_s"]
+    return (f"TTFT p50 {ms(r['ttft_s']['p50'])} ms p90 {ms(r['ttft_s']['p90'])} ms | "
+            f"ITL mean {ms(r['itl_s']['mean'])} ms p90 {ms(r['itl_s']['p90'])} ms | "
+            f"{'-' if tps is None else f'{tps:.1f}'} tok/s | {r['ok']}/{r['requests']} ok")
+
+
+# ---- mesh counters ($SRV.STATS) ----------------------------------------------------------------
+KV_KEYS = ("kv_bytes", "kv_writes", "kv_transfer_s", "jobs_done", "jobs_failed")
+DECODE_KEYS = ("pd", "colocated", "prefill_fallbacks", "kv_writes_fenced")
+
+
+async def mesh_counters(nc) -> dict:
+    from pdmesh import micro
+
+    pre, dec = await asyncio.gather(micro.stats(nc, "prefill"), micro.stats(nc, "decode"))
+    out: dict = {"prefill_instances": len(pre), "decode_instances": len(dec),
+                 "has_transfer_s": bool(pre) and all("kv_transfer_s" in i.stats for i in pre)}
+    for k in KV_KEYS:
+        out[k] = sum(i.stats.get(k) or 0 for i in pre)
+    out["kv_max_write_bytes"] = max((i.stats.get("kv_max_write_bytes") or 0 for i in pre),
+                                    default=0)
+    out["kv_window"] = next((i.stats["kv_window"] for i in pre if "kv_window" in i.stats), None)
+    for k in DECODE_KEYS:
+        out["decode_" + k] = sum(i.stats.get(k) or 0 for i in dec)
+    return out
+
+
+def counter_delta(before: dict, after: dict) -> dict:
+    d = {k: after[k] - before[k] for k in KV_KEYS}
+    d |= {"decode_" + k: after["decode_" + k] - before["decode_" + k] for k in DECODE_KEYS}
+    d["kv_max_write_bytes"] = after["kv_max_write_bytes"]
+    return d
+
+
+def kv_summary(deltas: list[dict], has_transfer_s: bool) -> dict | None:
+    """Sum of kv_bytes / sum of kv_transfer_s over some PD levels (per-job throughput)."""
+    b = sum(d["kv_bytes"] for d in deltas)
+    w = sum(d["kv_writes"] for d in deltas)
+    t = sum(d["kv_transfer_s"] for d in deltas)
+    if not w:
+        return None
+    return {"kv_bytes": b, "kv_writes": w, "jobs": sum(d["jobs_done"] for d in deltas),
+            "kv_transfer_s": t if has_transfer_s else None,
+            "bytes_per_s": b / t if has_transfer_s and t > 0 else None,
+            "mean_write_bytes": b / w,
+            "max_write_bytes": max(d["kv_max_write_bytes"] for d in deltas)}
+
+
+# ---- raw NATS baseline -----------------------------------------------------------------------
+async def responder_main(subject: str, nats_url: str) -> int:
+    """A plain responder: reply to every request at once; exit when stdin closes."""
+    import nats
+
+    ack = b'{"applied":true}'
+    nc = await nats.connect(nats_url, pending_size=64 << 20)
+
+    async def on_msg(msg) -> None:
+        await msg.respond(ack)
+
+    await nc.subscribe(subject, cb=on_msg, pending_bytes_limit=256 << 20)
+    await nc.flush()
+    print("ready", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    await nc.close()
+    return 0
+
+
+class Responder:
+    """The responder in its own process (like decode, not sharing the sender's loop)."""
+
+    def __init__(self, nats_url: str):
+        from shared import subjects
+
+        self.subject = subjects.bench_raw(uuid.uuid4().hex[:12])
+        self.nats_url = nats_url
+        self.proc: subprocess.Popen | None = None
+
+    async def __aenter__(self) -> "Responder":
+        root = str(Path(__file__).resolve().parents[1])
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdmesh.bench", "--raw-responder", self.subject,
+             "--nats-url", self.nats_url], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            env=env, text=True)
+        line = await asyncio.wait_for(
+            asyncio.get_running_loop().run_in_executor(None, self.proc.stdout.readline), 30)
+        if line.strip() != "ready":
+            self.close()
+            raise BenchError(f"raw responder did not start (exit {self.proc.poll()})")
+        return self
+
+    def close(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(5)
+        except Exception:  # noqa: BLE001
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    async def __aexit__(self, *exc) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.close)
+
+
+async def raw_run(nc, subject: str, size: int, window: int, total_bytes: float,
+                  max_s: float) -> dict:
+    """Requests of `size` bytes, at most `window` unanswered (like prefill's KvSender)."""
+    payload = bytes(size)
+    n = max(4 * window, math.ceil(total_bytes / size))
+    sent = 0
+    nbytes = 0
+    stop_at = time.perf_counter() + max_s
+
+    async def lane() -> None:
+        nonlocal sent, nbytes
+        while sent < n and time.perf_counter() < stop_at:
+            sent += 1
+            await nc.request(subject, payload, timeout=10)
+            nbytes += size
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(lane() for _ in range(window)))
+    el = time.perf_counter() - t0
+    return {"payload_bytes": size, "window": window, "messages": sent, "bytes": nbytes,
+            "seconds": el, "bytes_per_s": nbytes / el if el > 0 else None,
+            "capped": sent < n}
+
+
+async def raw_baseline(nats_url: str, sizes: list[int], windows: list[int], total_bytes: float,
+                       max_s: float) -> list[dict]:
+    import nats
+
+    nc = await nats.connect(nats_url, pending_size=64 << 20)
+    out = []
+    try:
+        async with Responder(nats_url) as resp:
+            for size in sizes:
+                size = max(1, min(int(size), nc.max_payload - 4096))
+                for w in windows:
+                    payload = bytes(size)
+                    for _ in range(2):     # warm-up
+                        await asyncio.gather(*(nc.request(resp.subject, payload, timeout=10)
+                                               for _ in range(w)))
+                    reps = [await raw_run(nc, resp.subject, size, w, total_bytes / RAW_REPS,
+                                          max_s / RAW_REPS) for _ in range(RAW_REPS)]
+                    r = sorted(reps, key=lambda x: x["bytes_per_s"] or 0)[len(reps) // 2]
+                    r = r | {"reps_bytes_per_s": [x["bytes_per_s"] for x in reps],
+                             "messages": sum(x["messages"] for x in reps),
+                             "capped": any(x["capped"] for x in reps)}
+                    log(f"  raw NATS {size / 1024:.1f} KiB x window {w}: "
+                        f"{r['bytes_per_s'] / 1e6:.1f} MB/s (median of {RAW_REPS}: "
+                        + ", ".join(f"{x / 1e6:.0f}" for x in r["reps_bytes_per_s"])
+                        + f"; {r['messages']} requests)")
+                    out.append(r)
+    finally:
+        await nc.close()
+    return out
+
+
+def raw_for(raw: list[dict], size: int, window: int) -> dict | None:
+    return next((r for r in raw if r["window"] == window
+                 and r["payload_bytes"] == size), None)
+
+
+# ---- the run ---------------------------------------------------------------------------------
+async def served_model(http, url: str) -> tuple[str, int | None]:
+    async with http.get(url + "/v1/models") as r:
+        if r.status != 200:
+            raise BenchError(f"GET {url}/v1/models: HTTP {r.status}")
+        card = (await r.json())["data"][0]
+    return card["id"], card.get("max_model_len")
+
+
+async def prompt_tokens(http, url: str, model: str, prompt: str) -> int:
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+            "pdmesh_path": "colocated"}
+    async with http.post(url + "/v1/completions", json=body) as r:
+        if r.status != 200:
+            raise BenchError(f"probe: HTTP {r.status}: {(await r.text())[:300]}")
+        return (await r.json())["usage"]["prompt_tokens"]
+
+
+async def long_prompts(http, url, model, target: int, n: int) -> list[str]:
+    """n distinct prompts of about `target` tokens (as the gateway's tokenizer counts):
+    LONG_UNIT's lines, cycled; the line count is found with a few probes."""
+    lines = LONG_UNIT.splitlines(keepends=True)
+
+    def build(k: int, i: int = 0) -> str:
+        return f"# file {i}: utilities\n" + "".join(lines[j % len(lines)] for j in range(k))
+
+    k = 4 * len(lines)
+    per_line = await prompt_tokens(http, url, model, build(k)) / k
+    k = max(1, round(target / per_line))
+    for _ in range(4):
+        got = await prompt_tokens(http, url, model, build(k))
+        if got <= target and target - got <= max(8, target // 50):
+            break
+        step = math.floor((target - got) / per_line)
+        k = max(1, k + (step if step else (-1 if got > target else 1)))
+    return [build(k, i) for i in range(n)]
+
+
+async def bench(args, url: str, nats_url: str) -> dict:
+    import aiohttp
+
+    from pdmesh import micro
+
+    levels = _levels(args.concurrency)
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    if not set(paths) <= set(PATHS):
+        raise SystemExit(f"--paths: pd and/or colocated, got {args.paths!r}")
+    try:
+        nc = await micro.connect_once(nats_url)
+    except ConnectionError as e:
+        raise BenchError(str(e)) from None
+    started = time.time()
+    load0 = os.getloadavg()
+    http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.timeout),
+                                 connector=aiohttp.TCPConnector(limit=0))
+    try:
+        model, max_len = await served_model(http, url)
+        c0 = await mesh_counters(nc)
+        log(f"model {model} (max_model_len {max_len}) at {url}; {c0['prefill_instances']} "
+            f"prefill, {c0['decode_instances']} decode; kv_window {c0['kv_window']}")
+        if "pd" in paths and not c0["prefill_instances"]:
+            log("WARNING: no prefill instance answered $SRV.STATS: PD requests will fall back")
+        mt = args.max_tokens
+        if max_len and mt >= max_len - 16:
+            raise BenchError(f"--max-tokens {mt} does not fit max_model_len {max_len}")
+
+        log("warm-up: one short request per path")
+        for p in paths:
+            await stream_one(http, url, completion_body(model, PROMPTS[0], p, 4))
+
+        runs: dict[str, dict] = {p: {} for p in paths}
+        kv_deltas: dict[str, list[dict]] = {"short": [], "long": []}
+        for c in levels:
+            n = requests_for(c, args.requests)
+            prompts = [f"# request {i}\n{PROMPTS[i % len(PROMPTS)]}" for i in range(n)]
+            for p in paths:      # interleaved, so a drift in machine load hits both paths
+                label = f"{p} c={c}"
+                log(f"{label}: {n} requests, max_tokens {mt}")
+                before = await mesh_counters(nc) if p == "pd" else None
+                r = await run_level(http, url, [completion_body(model, q, p, mt)
+                                                for q in prompts], c, label)
+                if before is not None:
+                    r["mesh_counters"] = counter_delta(before, await mesh_counters(nc))
+                    kv_deltas["short"].append(r["mesh_counters"])
+                runs[p][str(c)] = r
+                log(f"{label}: {fmt_level(r)}")
+
+        long_runs: dict[str, dict] = {}
+        if args.long_tokens > 0:
+            target = args.long_tokens
+            if max_len:
+                target = min(target, max_len - mt - 32)
+            prompts = await long_prompts(http, url, model, target, args.long_requests)
+            log(f"long prompts (~{target} tokens), c=1; warm-up one per path")
+            for p in paths:
+                await stream_one(http, url, completion_body(model, prompts[0], p, 4))
+            for p in paths:
+                label = f"{p} long c=1"
+                before = await mesh_counters(nc) if p == "pd" else None
+                r = await run_level(http, url, [completion_body(model, q, p, mt)
+                                                for q in prompts], 1, label)
+                if before is not None:
+                    r["mesh_counters"] = counter_delta(before, await mesh_counters(nc))
+                    kv_deltas["long"].append(r["mesh_counters"])
+                long_runs[p] = r
+                log(f"{label}: {fmt_level(r)} (prompt {r['prompt_tokens_mean']} tokens)")
+
+        c1 = await mesh_counters(nc)
+    finally:
+        await http.close()
+        await nc.close()
+
+    has_t = c1["has_transfer_s"]
+    if "pd" in paths and not has_t:
+        log("WARNING: prefill has no kv_transfer_s counter: KV throughput not measured")
+    kv = {"window": c1["kv_window"] or args.kv_window or 8, "has_transfer_s": has_t,
+          "short": kv_summary(kv_deltas["short"], has_t),
+          "long": kv_summary(kv_deltas["long"], has_t),
+          "all": kv_summary(kv_deltas["short"] + kv_deltas["long"], has_t),
+          "per_level": {c: d for c, d in zip([str(x) for x in levels], kv_deltas["short"])}}
+    for d in kv["per_level"].values():
+        d["bytes_per_s"] = (d["kv_bytes"] / d["kv_transfer_s"]
+                            if has_t and d["kv_transfer_s"] > 0 else None)
+
+    # raw NATS: each phase's mean write size, the prefill's window and a window of 1
+    sizes = sorted({round(kv[ph]["mean_write_bytes"]) for ph in ("short", "long") if kv[ph]})
+    raw: list[dict] = []
+    if sizes:
+        windows = sorted({kv["window"], 1}, reverse=True)
+        log(f"raw NATS baseline: payloads {[f'{s / 1024:.1f} KiB' for s in sizes]}, "
+            f"windows {windows}, {args.raw_mb:g} MB each")
+        raw = await raw_baseline(nats_url, sizes, windows, args.raw_mb * 1e6, args.raw_max_s)
+    kv["raw_nats"] = raw
+    for w, key in ((kv["window"], "raw_bytes_per_s"), (1, "raw_window1_bytes_per_s")):
+        for ph in ("short", "long"):
+            s = kv[ph]
+            if s:
+                r = raw_for(raw, max(1, round(s["mean_write_bytes"])), w)
+                s[key] = r and r["bytes_per_s"]
+        # all PD levels: the time the same payloads would take raw, phase by phase
+        phases = [kv[ph] for ph in ("short", "long") if kv[ph]]
+        if kv["all"] and phases and all(s.get(key) for s in phases):
+            kv["all"][key] = (sum(s["kv_bytes"] for s in phases)
+                              / sum(s["kv_bytes"] / s[key] for s in phases))
+
+    return {"model": model, "max_model_len": max_len, "runs": runs, "long": long_runs,
+            "kv": kv, "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
+            "duration_s": time.time() - started,
+            "machine": {"cpus": os.cpu_count(), "loadavg_start": load0,
+                        "loadavg_end": os.getloadavg()},
+            "mesh": {k: c1[k] for k in ("prefill_instances", "decode_instances")}}
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def ratios_and_targets(res: dict) -> tuple[dict, dict]:
+    runs, lg, kv = res["runs"], res["long"], res["kv"]
+    r: dict = {}
+    if "pd" in runs and "colocated" in runs and "1" in runs["pd"] and "1" in runs["colocated"]:
+        pd, co = runs["pd"]["1"], runs["colocated"]["1"]
+        r["pd_vs_colocated_ttft_c1"] = _ratio(pd["ttft_s"]["p50"], co["ttft_s"]["p50"])
+        r["pd_vs_colocated_ttft_c1_mean"] = _ratio(pd["ttft_s"]["mean"], co["ttft_s"]["mean"])
+        r["pd_vs_colocated_itl_c1"] = _ratio(pd["itl_s"]["mean"], co["itl_s"]["mean"])
+        r["pd_vs_colocated_itl_c1_p50"] = _ratio(pd["itl_s"]["p50"], co["itl_s"]["p50"])
+    for c in runs.get("pd", {}):
+        if c in runs.get("colocated", {}):
+            r[f"pd_vs_colocated_tokens_per_s_c{c}"] = _ratio(
+                runs["pd"][c]["tokens_per_s"], runs["colocated"][c]["tokens_per_s"])
+    if "pd" in lg and "colocated" in lg:
+        r["pd_vs_colocated_ttft_long_c1"] = _ratio(lg["pd"]["ttft_s"]["p50"],
+                                                   lg["colocated"]["ttft_s"]["p50"])
+        r["pd_vs_colocated_itl_long_c1"] = _ratio(lg["pd"]["itl_s"]["mean"],
+                                                  lg["colocated"]["itl_s"]["mean"])
+    for ph in ("all", "short", "long"):
+        s = kv.get(ph)
+        if s:
+            sfx = "" if ph == "all" else f"_{ph}"
+            r[f"kv_vs_raw_nats{sfx}"] = _ratio(s["bytes_per_s"], s.get("raw_bytes_per_s"))
+            r[f"kv_vs_raw_nats_window1{sfx}"] = _ratio(s["bytes_per_s"],
+                                                       s.get("raw_window1_bytes_per_s"))
+
+    def met(x, limit, le=True):
+        return None if x is None else (x <= limit if le else x >= limit)
+
+    t = {
+        "pd_c1_ttft_within_1.3x_colocated": {
+            "value": r.get("pd_vs_colocated_ttft_c1"), "target": f"<= {TARGET_LATENCY_RATIO}",
+            "met": met(r.get("pd_vs_colocated_ttft_c1"), TARGET_LATENCY_RATIO)},
+        "pd_c1_itl_within_1.3x_colocated": {
+            "value": r.get("pd_vs_colocated_itl_c1"), "target": f"<= {TARGET_LATENCY_RATIO}",
+            "met": met(r.get("pd_vs_colocated_itl_c1"), TARGET_LATENCY_RATIO)},
+        "kv_transfer_ge_50pct_raw_nats": {
+            "value": r.get("kv_vs_raw_nats"), "target": f">= {TARGET_KV_VS_RAW}",
+            "met": met(r.get("kv_vs_raw_nats"), TARGET_KV_VS_RAW, le=False)},
+    }
+    return r, t
+
+
+# ---- plot ------------------------------------------------------------------------------------
+def plot(res: dict, out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(2, 2, figsize=(11, 8))
+    colors = {"pd": "tab:blue", "colocated": "tab:orange"}
+    for p, by_c in res["runs"].items():
+        cs = sorted(by_c, key=int)
+        xs = [int(c) for c in cs]
+
+        def ys(f):
+            return [f(by_c[c]) for c in cs]
+
+        def ms(x):
+            return None if x is None else x * 1e3
+        col = colors.get(p)
+        ax[0, 0].plot(xs, ys(lambda r: ms(r["ttft_s"]["p50"])), "o-", c=col, label=f"{p} p50")
+        ax[0, 0].plot(xs, ys(lambda r: ms(r["ttft_s"]["p90"])), "o--", c=col, alpha=.5,
+                      label=f"{p} p90")
+        ax[0, 1].plot(xs, ys(lambda r: ms(r["itl_s"]["mean"])), "o-", c=col, label=f"{p} mean")
+        ax[0, 1].plot(xs, ys(lambda r: ms(r["itl_s"]["p90"])), "o--", c=col, alpha=.5,
+                      label=f"{p} p90")
+        ax[1, 0].plot(xs, ys(lambda r: r["tokens_per_s"]), "o-", c=col, label=p)
+        lr = res["long"].get(p)
+        if lr and lr["ttft_s"]["p50"] is not None:
+            ax[0, 0].plot([1], [lr["ttft_s"]["p50"] * 1e3], "s", c=col, mfc="none", ms=9,
+                          label=f"{p} long prompt p50")
+    levels = sorted({int(c) for by_c in res["runs"].values() for c in by_c})
+    for a, title, yl in ((ax[0, 0], "TTFT", "ms"), (ax[0, 1], "inter-token latency", "ms"),
+                         (ax[1, 0], "output tokens/s", "tokens/s")):
+        a.set_xscale("log", base=2)
+        a.set_xticks(levels, [str(c) for c in levels])
+        a.minorticks_off()
+        a.set_xlabel("concurrency")
+        a.set_title(title)
+        a.set_ylabel(yl)
+        a.legend(fontsize=7)
+        a.grid(alpha=.3)
+    kv = res["kv"]
+    groups = [ph for ph in ("all", "short", "long") if kv.get(ph)]
+    series = (("bytes_per_s", "mesh (prefill kv_bytes / kv_transfer_s)", "tab:blue"),
+              ("raw_bytes_per_s", f"raw NATS, window {kv['window']}", "tab:gray"),
+              ("raw_window1_bytes_per_s", "raw NATS, window 1", "silver"))
+    for j, (key, name, col) in enumerate(series):
+        xs = [i + (j - 1) * 0.27 for i in range(len(groups))]
+        vals = [(kv[ph].get(key) or 0) / 1e6 for ph in groups]
+        bars = ax[1, 1].bar(xs, vals, 0.27, color=col, label=name)
+        ax[1, 1].bar_label(bars, fmt="%.0f", fontsize=7)
+    ax[1, 1].set_xticks(range(len(groups)),
+                        [f"{ph} PD runs\n{kv[ph]['mean_write_bytes'] / 1024:.0f} KiB/write"
+                         for ph in groups])
+    ax[1, 1].legend(fontsize=7)
+    ax[1, 1].set_ylabel("MB/s")
+    ax[1, 1].set_title("KV transfer vs raw NATS (same payload sizes)")
+    r = res["ratios"]
+
+    def f(x):
+        return "-" if x is None else f"{x:.2f}"
+    fig.suptitle(f"pdmesh {res['model']}: PD/colocated at c=1: TTFT "
+                 f"{f(r.get('pd_vs_colocated_ttft_c1'))}x, ITL "
+                 f"{f(r.get('pd_vs_colocated_itl_c1'))}x; KV transfer / raw NATS "
+                 f"{f(r.get('kv_vs_raw_nats'))}")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+
+
+# ---- entry -----------------------------------------------------------------------------------
+def _spawn(args):
+    from pdmesh.cli import _parse_sets
+    from pdmesh.cluster import Cluster
+
+    if not args.model:
+        raise SystemExit("pdmesh bench --spawn needs --model PATH")
+    overrides = _parse_sets(args.set)
+    if args.kv_window:
+        overrides.setdefault("prefill", {})["kv_window"] = args.kv_window
+    cluster = Cluster(model=args.model, prefill=args.prefill, decode=args.decode,
+                      dtype=args.dtype, threads=args.threads, kvstore=args.kvstore,
+                      overrides=overrides, echo=False, log_dir=args.log_dir,
+                      startup_timeout_s=args.startup_timeout)
+    log(f"starting a mesh: {args.prefill} prefill, {args.decode} decode, model {args.model}")
+    t = time.perf_counter()
+    cluster.start()
+    log(f"mesh up in {time.perf_counter() - t:.1f}s: {cluster.url} (nats {cluster.nats_url})")
+    return cluster
+
+
+def _run(coro):
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.raw_responder:
+        return _run(responder_main(args.raw_responder, args.nats_url))
+    cluster = None
+    url, nats_url = args.url.rstrip("/"), args.nats_url
+    from pdmesh.cluster import ClusterError
+
+    try:
+        if args.spawn:
+            cluster = _spawn(args)
+            url, nats_url = cluster.url, cluster.nats_url
+        res = _run(bench(args, url, nats_url))
+    except (BenchError, ClusterError) as e:
+        print(f"pdmesh bench: {e}", file=sys.stderr)
+        if cluster is not None:
+            for p in cluster.unexpected_exits():
+                print(f"--- {p.name} exited {p.returncode}:\n{p.tail()}", file=sys.stderr)
+        return 1
+    finally:
+        if cluster is not None:
+            cluster.stop()
+
+    res["config"] = {
+        "url": url, "nats_url": nats_url, "spawn": args.spawn,
+        "spawned": ({"model": args.model, "prefill": args.prefill, "decode": args.decode,
+                     "dtype": args.dtype, "threads": args.threads, "kv_window": args.kv_window,
+                     "set": args.set} if args.spawn else None),
+        "concurrency": _levels(args.concurrency), "paths": args.paths.split(","),
+        "requests_per_level": {str(c): requests_for(c, args.requests)
+                               for c in _levels(args.concurrency)},
+        "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,
+        "long_tokens": args.long_tokens, "long_requests": args.long_requests,
+        "raw_mb": args.raw_mb, "raw_max_s": args.raw_max_s, "kv_window": res["kv"]["window"],
+    }
+    res["ratios"], res["targets"] = ratios_and_targets(res)
+    res["problems"] = problems(res)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "mesh_" + re.sub(r"[^A-Za-z0-9._-]", "_", res["model"])
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=2))
+    plot(res, out / f"{stem}.png")
+    log("ratios: " + json.dumps({k: None if v is None else round(v, 3)
+                                 for k, v in res["ratios"].items()}))
+    for name, t in res["targets"].items():
+        v = "-" if t["value"] is None else f"{t['value']:.2f}"
+        verdict = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
+        log(f"target {name}: {v} ({t['target']}): {verdict}")
+    for p in res["problems"]:
+        log(f"WARNING: {p}")
+    log(f"wrote {out / stem}.json and .png")
+    return 0
+
+
+def problems(res: dict) -> list[str]:
+    """Anything that makes the numbers suspect: failures, answers on the wrong path,
+    PD requests that decode prefilled itself."""
+    out = []
+    levels = [(f"{p} c={c}", r) for p, by_c in res["runs"].items() for c, r in by_c.items()]
+    levels += [(f"{p} long", r) for p, r in res["long"].items()]
+    for name, r in levels:
+        if r["errors"]:
+            out.append(f"{name}: {r['errors']} of {r['requests']} requests failed "
+                       f"({'; '.join(r['error_samples'])})")
+        if r["path_mismatch"]:
+            out.append(f"{name}: {r['path_mismatch']} answers on another path "
+                       f"(x-pdmesh-path {r['paths_seen']})")
+        fb = (r.get("mesh_counters") or {}).get("decode_prefill_fallbacks")
+        if fb:
+            out.append(f"{name}: decode prefilled {fb} PD requests itself (prefill fallback)")
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
