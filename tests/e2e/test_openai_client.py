@@ -61,3 +61,35 @@ def test_logprobs(client):
     lp = r.choices[0].logprobs.content
     assert len(lp) == r.usage.completion_tokens and len(lp[0].top_logprobs) == 2
     assert lp[0].logprob == pytest.approx(lp[0].top_logprobs[0].logprob, abs=1e-5)
+
+
+def test_client_disconnect_aborts_at_decode_and_frees_blocks(mesh):
+    import asyncio
+    import time
+
+    import aiohttp
+
+    from .helpers import micro_stats
+
+    async def run():
+        before = await micro_stats(mesh.nats_url, "decode")
+        async with aiohttp.ClientSession() as http:
+            r = await http.post(mesh.url + "/v1/completions", json={
+                "model": "tiny-target", "prompt": "def f():", "max_tokens": 3000,
+                "ignore_eos": True, "stream": True})
+            n = 0
+            async for _ in r.content:
+                n += 1
+                if n == 5:
+                    break
+            r.close()   # the client goes away mid-stream
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            st = await micro_stats(mesh.nats_url, "decode")
+            if st["aborts"] > before.get("aborts", 0) and st["running"] == 0 \
+                    and st["blocks_used"] == 0:
+                return True
+            await asyncio.sleep(0.3)
+        return False
+
+    assert asyncio.run(run())
