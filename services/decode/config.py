@@ -28,6 +28,9 @@ class DecodeConfig:
     deterministic: bool = False
     threads: int = field(default=0, metadata={"help": "torch threads (0: torch default)"})
     drain_timeout_s: float = 10.0
+    # test-only fault injection (off by default)
+    fault_drop_constraint_in_job: bool = field(default=False, metadata={
+        "help": "TEST ONLY: send prefill jobs without their constraint"})
 
     def __post_init__(self):
         if self.mode not in ("auto", "pd", "colocated"):

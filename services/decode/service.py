@@ -21,16 +21,18 @@ from dataclasses import dataclass, field
 from shared import subjects
 from shared.contracts.common import Codec, ContractError, ErrorCode, ErrorReply, Ok, encode
 from shared.contracts.kv import KvWrite, KvWriteAck, checksum
-from shared.contracts.messages import (Abort, DecodeSubmit, Heartbeat, Path, PrefillDone,
-                                       PrefillJob, PrefillStatus, SubmitAck, TokenChunk)
+from shared.contracts.messages import (Abort, DecodeSubmit, Heartbeat, KvDestination, Path,
+                                       PrefillDone, PrefillStatus, SubmitAck, TokenChunk)
 from shared.engine.block_pool import NoFreeBlocks
 from shared.engine.engine import LLMEngine
+from shared.engine.grammar import ReplayError
 from shared.engine.kv_transfer import unpack_into
 from shared.engine.output import RequestOutput
 from shared.jobqueue import ensure_stream
 from shared.service import ServiceError, ServiceRuntime, new_instance_id
 
 from .config import DecodeConfig
+from .jobs import make_prefill_job
 
 log = logging.getLogger("pdmesh.decode")
 
@@ -120,24 +122,28 @@ class DecodeService:
             raise ServiceError(ErrorCode.INVALID_REQUEST, "duplicate request id", sub.request_id)
         try:
             self.engine.check_request(sub.prompt_ids, sub.params)
-        except ValueError as e:
+            path = self.choose_path(sub)
+            if path is Path.PD:
+                blocks, epochs = self.engine.reserve_remote(sub.request_id, sub.prompt_ids,
+                                                            sub.params, sub.constraint)
+            else:
+                self.engine.add_request(sub.request_id, sub.prompt_ids, sub.params,
+                                        constraint=sub.constraint)
+        except NoFreeBlocks:
+            path = Path.COLOCATED   # queue locally rather than refuse
+            self.engine.add_request(sub.request_id, sub.prompt_ids, sub.params,
+                                    constraint=sub.constraint)
+        except ValueError as e:     # limits, ids, an uncompilable constraint
             raise ServiceError(ErrorCode.INVALID_REQUEST, str(e), sub.request_id) from e
-        path = self.choose_path(sub)
         tr = Tracked(sub.reply_subject, path, time.monotonic())
         self.tracked[sub.request_id] = tr
         if path is Path.PD:
+            tr.awaiting_kv = True
             try:
-                await self.dispatch_prefill(sub, tr)
-            except (NoFreeBlocks, Exception) as e:  # noqa: BLE001 - fall back, never fail
+                await self.dispatch_prefill(sub, blocks, epochs)
+            except Exception as e:  # noqa: BLE001 - fall back, never fail
                 log.info("%s: PD dispatch failed (%s); prefilling locally", sub.request_id, e)
-                tr.path = Path.COLOCATED
-                if self.engine.remote.get(sub.request_id) is not None:
-                    self.engine.prefill_locally(sub.request_id)
-                    tr.awaiting_kv = False
-                else:
-                    self.engine.add_request(sub.request_id, sub.prompt_ids, sub.params)
-        else:
-            self.engine.add_request(sub.request_id, sub.prompt_ids, sub.params)
+                self.fallback_local(sub.request_id, tr)
         self.counters[tr.path.value] += 1
         self.wake.set()
         return encode(SubmitAck(request_id=sub.request_id, path=tr.path))
@@ -155,15 +161,11 @@ class DecodeService:
             return Path.PD
         return Path.COLOCATED
 
-    async def dispatch_prefill(self, sub: DecodeSubmit, tr: Tracked) -> None:
-        blocks, epochs = self.engine.reserve_remote(sub.request_id, sub.prompt_ids, sub.params)
-        tr.awaiting_kv = True
-        from shared.contracts.messages import KvDestination
-        job = PrefillJob(request_id=sub.request_id, prompt_ids=sub.prompt_ids, params=sub.params,
-                         constraint=sub.constraint, tokenizer_fingerprint=self.fingerprint,
-                         model=self.cfg.model, block_size=self.cfg.block_size,
-                         dest=KvDestination(instance_id=self.iid, block_ids=blocks, epochs=epochs),
-                         issued_at=time.time())
+    async def dispatch_prefill(self, sub: DecodeSubmit, blocks: list[int],
+                               epochs: list[int]) -> None:
+        dest = KvDestination(instance_id=self.iid, block_ids=blocks, epochs=epochs)
+        job = make_prefill_job(sub, dest, self.cfg.model, self.cfg.block_size,
+                               drop_constraint=self.cfg.fault_drop_constraint_in_job)
         await self.js.publish(subjects.prefill_jobs(), encode(job), timeout=5)
 
     async def on_kv(self, req) -> bytes:
@@ -202,8 +204,13 @@ class DecodeService:
             self.fallback_local(rid, tr)
             return encode(Ok(request_id=rid))
         tr.awaiting_kv = False
-        out = self.engine.start_remote(rid, done.first_token, done.first_logprob,
-                                       done.first_top_logprobs)
+        try:
+            out = self.engine.start_remote(rid, done.first_token, done.first_logprob,
+                                           done.first_top_logprobs)
+        except ReplayError as e:  # prefill sampled outside our grammar: refuse, never guess
+            log.error("%s: %s", rid, e)
+            await self.fail(rid, ErrorCode.PREFILL_FAILED, f"prefill/decode disagree: {e}")
+            return encode(Ok(request_id=rid))
         await self.publish(out)
         self.wake.set()
         return encode(Ok(request_id=rid))

@@ -168,12 +168,15 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def chat_completion(rid: str, created: int, model: str, text: str, finish_reason: str | None,
-                    usage_: dict, logprobs: dict | None = None) -> dict:
+def chat_completion(rid: str, created: int, model: str, text: str | None,
+                    finish_reason: str | None, usage_: dict, logprobs: dict | None = None,
+                    tool_calls: list[dict] | None = None) -> dict:
+    message: dict = {"role": "assistant", "content": text, "refusal": None}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0,
-                         "message": {"role": "assistant", "content": text, "refusal": None},
-                         "logprobs": logprobs, "finish_reason": finish_reason}],
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs,
+                         "finish_reason": finish_reason}],
             "usage": usage_, "system_fingerprint": None}
 
 

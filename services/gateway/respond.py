@@ -2,6 +2,11 @@
 
 Whatever way the answer ends before decode finished the request (client gone, timeout,
 instance lost, gateway shutdown, a write that fails), decode is told to abort it.
+
+With tools on (Options.tool_calls), the output is parsed into OpenAI tool calls
+(shared.toolcalls): a whole answer gets message.tool_calls (content None when the output is
+only calls); a stream gets `delta.tool_calls` (each call whole when its close tag arrives).
+Either way finish_reason is "tool_calls" when there is at least one call.
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from shared.contracts.messages import TokenChunk
+from shared.toolcalls import ToolCallStreamParser, parse_tool_calls
 
 from . import protocol as P
 from .dispatch import ClientGone, DecodeClient, Dispatch, chunk_error
@@ -131,9 +137,16 @@ async def _complete(request, client, d, ans: Answer, rid, deadline) -> web.Respo
         ans.add(await client.next_chunk(d, deadline, gone))
     o = ans.prep.options
     created = int(time.time())
-    build = P.chat_completion if o.chat else P.completion
-    body = build(rid, created, o.model, "".join(ans.parts), ans.finish_reason, ans.usage,
-                 ans.all_logprobs())
+    text = "".join(ans.parts)
+    if o.chat and o.tool_calls:
+        content, calls = parse_tool_calls(text, rid)
+        body = P.chat_completion(rid, created, o.model, content,
+                                 "tool_calls" if calls else ans.finish_reason, ans.usage,
+                                 ans.all_logprobs(), tool_calls=calls)
+    else:
+        build = P.chat_completion if o.chat else P.completion
+        body = build(rid, created, o.model, text, ans.finish_reason, ans.usage,
+                     ans.all_logprobs())
     if o.return_token_ids:
         body["choices"][0]["token_ids"] = ans.token_ids
     return web.Response(body=P.dumps(body), content_type="application/json",
@@ -158,6 +171,20 @@ async def _stream(request, client, d, ans: Answer, rid, deadline) -> web.StreamR
             body["choices"][0]["token_ids"] = ids
         return P.sse(body)
 
+    parser = ToolCallStreamParser(rid) if o.chat and o.tool_calls else None
+
+    async def write_deltas(deltas: list[dict], lp: dict | None, ids: list[int] | None) -> None:
+        """Parser deltas, one chunk each; a TokenChunk's logprobs / token ids ride on the
+        first (or on an empty delta while the parser holds its text back)."""
+        if not deltas and (lp or ids):
+            deltas = [{}]
+        for k, delta in enumerate(deltas):
+            body = P.chat_chunk(rid, created, o.model, delta, None, lp if k == 0 else None,
+                                o.include_usage)
+            if ids and k == 0:
+                body["choices"][0]["token_ids"] = ids
+            await resp.write(P.sse(body))
+
     gone = _client_gone(request)
     try:
         if o.chat:
@@ -165,9 +192,17 @@ async def _stream(request, client, d, ans: Answer, rid, deadline) -> web.StreamR
         while not d.finished:
             c = await client.next_chunk(d, deadline, gone)
             text, lp = ans.add(c)
-            if text or lp or (o.return_token_ids and c.token_ids):
+            if parser is not None:
+                await write_deltas(parser.feed(text) if text else [], lp,
+                                   c.token_ids if o.return_token_ids else None)
+            elif text or lp or (o.return_token_ids and c.token_ids):
                 await resp.write(chunk(text, lp=lp, ids=c.token_ids))
-        await resp.write(chunk("", finish=ans.finish_reason))
+        finish = ans.finish_reason
+        if parser is not None:
+            await write_deltas(parser.finish(), None, None)
+            if parser.has_tool_calls:
+                finish = "tool_calls"
+        await resp.write(chunk("", finish=finish))
         if o.include_usage:
             await resp.write(P.sse(P.usage_chunk(rid, created, o.model, o.chat, ans.usage)))
     except OpenAIError as e:

@@ -173,7 +173,8 @@ class PrefillService:
     async def compute(self, local_id: str, job: PrefillJob) -> RequestOutput:
         fut = asyncio.get_running_loop().create_future()
         self.pending[local_id] = fut
-        self.engine.add_request(local_id, job.prompt_ids, job.params, prefill_only=True)
+        self.engine.add_request(local_id, job.prompt_ids, job.params, prefill_only=True,
+                                constraint=job.constraint)
         self.wake.set()
         return await fut
 

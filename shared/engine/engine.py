@@ -41,6 +41,7 @@ from .sequence import Sequence
 class _Req:
     seq: Sequence
     proc: OutputProcessor
+    constraint: object = None     # grammar.ConstraintState, or None when unconstrained
 
 
 class LLMEngine:
@@ -74,6 +75,15 @@ class LLMEngine:
         self.lock = threading.RLock()
         self._inflight: set[str] = set()
         self._deferred_aborts: set[str] = set()
+        self._grammar = None
+
+    @property
+    def grammar(self):
+        """The grammar compiler for this vocabulary (built on first constrained request)."""
+        if self._grammar is None:
+            from .grammar import GrammarCompiler
+            self._grammar = GrammarCompiler(self.tokenizer, vocab_size=self.model_cfg.vocab_size)
+        return self._grammar
 
     # ---- requests -----------------------------------------------------------------
     def check_request(self, prompt_ids: list[int], params) -> None:
@@ -94,10 +104,15 @@ class LLMEngine:
                 f"request needs {self.pool.blocks_for(total)} KV blocks; the pool has "
                 f"{self.pool.num_blocks}")
 
-    def _new_seq(self, request_id, prompt_ids, params) -> Sequence:
+    def _new_seq(self, request_id, prompt_ids, params, constraint=None) -> Sequence:
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.check_request(prompt_ids, params)
+        state = None
+        if constraint is not None and constraint.kind.value != "none":
+            if self.tokenizer is None:
+                raise ValueError("constrained decoding needs a tokenizer")
+            state = self.grammar.new_state(constraint)   # ConstraintError is a ValueError
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(request_id, list(prompt_ids), params, seed, next(self._arrival))
         if params.stop and self.tokenizer is None:
@@ -108,13 +123,13 @@ class LLMEngine:
             detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
         proc = OutputProcessor(params, eos, detok, self.max_model_len, len(prompt_ids))
-        self.requests[request_id] = _Req(seq, proc)
+        self.requests[request_id] = _Req(seq, proc, state)
         return seq
 
     def add_request(self, request_id: str, prompt_ids: list[int], params,
-                    prefill_only: bool = False) -> None:
+                    prefill_only: bool = False, constraint=None) -> None:
         with self.lock:
-            seq = self._new_seq(request_id, prompt_ids, params)
+            seq = self._new_seq(request_id, prompt_ids, params, constraint)
             seq.stop_after_prefill = prefill_only
             self.scheduler.add(seq)
 
@@ -140,7 +155,8 @@ class LLMEngine:
         self.scheduler.finish(seq, "abort")
 
     # ---- remote prefill (decode side) ------------------------------------------------
-    def reserve_remote(self, request_id: str, prompt_ids: list[int], params) -> tuple[list[int], list[int]]:
+    def reserve_remote(self, request_id: str, prompt_ids: list[int], params,
+                       constraint=None) -> tuple[list[int], list[int]]:
         """Allocate blocks for a prompt another process prefills. Returns the blocks that
         will hold the prompt and their epochs. Raises NoFreeBlocks when short."""
         with self.lock:
@@ -149,7 +165,7 @@ class LLMEngine:
                 raise NoFreeBlocks("too many requests awaiting KV")
             n = len(prompt_ids) + (params.max_tokens if self.cfg.deterministic else 0)
             need = self.pool.blocks_for(max(n, len(prompt_ids)))
-            seq = self._new_seq(request_id, prompt_ids, params)
+            seq = self._new_seq(request_id, prompt_ids, params, constraint)
             try:
                 seq.block_table = self.pool.allocate(need)
             except Exception:
@@ -169,10 +185,18 @@ class LLMEngine:
 
     def start_remote(self, request_id: str, first_token: int, logprob=None,
                      top_logprobs=None) -> RequestOutput:
-        """All prompt KV has landed: join the batch with the first token prefill sampled."""
+        """All prompt KV has landed: join the batch with the first token prefill sampled.
+        Raises ReplayError (request dropped) if the token breaks this side's grammar:
+        prefill and decode disagree about the constraint, and guessing would be wrong."""
         from .sampling import SampleOutput
 
         with self.lock:
+            state = self.requests[request_id].constraint
+            if state is not None and not state.accept(first_token):
+                from .grammar import ReplayError
+                self._finish_abort(self.requests[request_id].seq)
+                raise ReplayError(f"first token {first_token} from prefill is not allowed by "
+                                  f"the request's constraint")
             seq = self.remote.pop(request_id)
             self.pool.restamp(seq.block_table)   # no write may land from now on
             seq.num_computed = len(seq.prompt_ids)
@@ -266,12 +290,21 @@ class LLMEngine:
         for s in batch:
             s.seq.num_computed = s.start + s.n
         inputs = []
+        V = logits.shape[-1]
         for s in sampled:
-            seq, proc = s.seq, self.requests[s.seq.request_id].proc
+            seq, req = s.seq, self.requests[s.seq.request_id]
+            banned = req.proc.banned(len(seq.output_ids))
+            allowed = req.constraint.mask(V) if req.constraint is not None else None
+            if allowed is not None and banned and not (
+                    allowed & ~_ids_mask(banned, V)).any():
+                banned = frozenset()      # the grammar can only end here: let it
             inputs.append(SampleInput(seq.params, seq.seed, seq.num_tokens, seq.prompt_ids,
-                                      seq.output_ids, banned=proc.banned(len(seq.output_ids))))
+                                      seq.output_ids, banned=banned, allowed_mask=allowed))
         outs = []
         for s, res in zip(sampled, sample(logits, inputs)):
+            state = self.requests[s.seq.request_id].constraint
+            if state is not None:
+                state.accept(res.token)   # sampled under its mask: always accepted
             outs.append(self.append_token(s.seq, res.token, res))
         return outs
 
@@ -280,6 +313,9 @@ class LLMEngine:
         proc = self.requests[seq.request_id].proc
         seq.output_ids.append(token)
         text, reason, stop_reason = proc.process(token, len(seq.output_ids))
+        state = self.requests[seq.request_id].constraint
+        if reason is None and state is not None and state.is_terminated:
+            reason = "stop"               # the grammar is complete and took its end token
         if reason is None and seq.stop_after_prefill:
             reason = "prefill_done"
         out = RequestOutput(seq.request_id, [token], text, reason is not None, reason, stop_reason,
@@ -315,3 +351,9 @@ class LLMEngine:
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "blocks_free": self.pool.num_free, "blocks_used": self.pool.num_used,
                 "blocks_total": self.pool.num_blocks}
+
+
+def _ids_mask(ids, V: int) -> torch.Tensor:
+    m = torch.zeros(V, dtype=torch.bool)
+    m[torch.tensor(sorted(ids), dtype=torch.long)] = True
+    return m
