@@ -1,6 +1,8 @@
 """Whole-mesh fixtures: real nats-server, real services as processes, real HTTP."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from pdmesh.cluster import Cluster
@@ -19,7 +21,10 @@ def det_overrides(**decode) -> dict:
 @pytest.fixture(scope="module")
 def mesh(tiny_target):
     """One prefill, one decode, deterministic mode, tiny model (module-scoped)."""
-    with Cluster(str(tiny_target), prefill=1, decode=1, **DET, overrides=det_overrides(),
+    # PDMESH_FAULT_DROP_CONSTRAINT=1 (manual runs only) shows the constraint tests failing
+    faults = {"fault_drop_constraint_in_job": True} if os.environ.get(
+        "PDMESH_FAULT_DROP_CONSTRAINT") else {}
+    with Cluster(str(tiny_target), prefill=1, decode=1, **DET, overrides=det_overrides(**faults),
                  echo=False) as c:
         yield c
 
