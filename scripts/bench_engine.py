@@ -120,7 +120,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--out", default=str(ROOT / "bench_out"))
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from shared.engine.tokenizer import Tokenizer
 
     tok = Tokenizer.from_pretrained(args.model)

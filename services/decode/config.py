@@ -26,7 +26,7 @@ class DecodeConfig:
     max_num_batched_tokens: int = 256
     chunk_size: int = 256
     deterministic: bool = False
-    threads: int = field(default=0, metadata={"help": "torch threads (0: torch default)"})
+    threads: int = field(default=1, metadata={"help": "torch threads (0: torch default; 1 suits several services per host)"})
     drain_timeout_s: float = 10.0
     # test-only fault injection (off by default)
     fault_drop_constraint_in_job: bool = field(default=False, metadata={

@@ -13,7 +13,10 @@ Tools and structured output (chat only) become a `Constraint`:
     response_format json_object / json_schema            -> JSON_OBJECT / JSON_SCHEMA
     parallel_tool_calls                                  -> Constraint.parallel_tool_calls
 
-`tools` and `json_schema` travel as canonical JSON text (sorted keys, no spaces). Every
+`tools` and `json_schema` travel as compact JSON text (no spaces, only the fields we know,
+keys in the client's order: NOT sorted, because xgrammar generates an object's properties
+in schema order, and sorting would force arguments into alphabetical order, unlike the
+declared order the prompt shows and OpenAI / vLLM produce). Every
 constraint is built with `build_grammar` here (cached), so a schema the engine cannot
 enforce is a 400 naming it, never a failure further down. Refused combinations (400):
 response_format with tools unless tool_choice is "none" (one grammar cannot be both a JSON
@@ -46,7 +49,7 @@ TOOL_CHOICES = ("none", "auto", "required")
 # JSON nesting of one schema document (~30 levels of nested objects): xgrammar's compile time
 # grows fast with depth (seconds at ~150 levels), and the gateway compiles every schema
 MAX_SCHEMA_DEPTH = 64
-_CANON = dict(sort_keys=True, separators=(",", ":"))
+_CANON = dict(separators=(",", ":"))   # key order kept: it is the generated property order
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
 COMPLETION_DEFAULT_MAX_TOKENS = 16

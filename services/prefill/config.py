@@ -20,7 +20,7 @@ class PrefillConfig:
     max_num_batched_tokens: int = 256
     chunk_size: int = 256
     deterministic: bool = False
-    threads: int = field(default=0, metadata={"help": "torch threads (0: torch default)"})
+    threads: int = field(default=1, metadata={"help": "torch threads (0: torch default; 1 suits several services per host)"})
     kv_window: int = field(default=8, metadata={"help": "KV writes in flight per job (credits)"})
     kv_ack_timeout_s: float = 10.0
     ack_wait_s: float = field(default=10.0, metadata={
