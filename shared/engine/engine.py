@@ -250,8 +250,12 @@ class LLMEngine:
         """Flat batch: single-token rows first (batched paged attention), then chunks."""
         bs = self.cfg.block_size
         det = self.cfg.deterministic
+        # a lone decode row attends through SDPA on its exact context (cheaper than the
+        # padded batched path at batch size 1)
         decode = [] if det else [s for s in batch if s.n == 1]
-        chunks = [s for s in batch if det or s.n != 1]
+        if len(decode) == 1:
+            decode = []
+        chunks = [s for s in batch if s not in decode]
         ids, pos, slots, spans, rows, sampled = [], [], [], [], [], []
         row = 0
         for s, is_chunk in [(s, False) for s in decode] + [(s, True) for s in chunks]:
