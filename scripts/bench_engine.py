@@ -45,51 +45,71 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def bench_hf(path: str, dtype: torch.dtype, prompts, max_tokens: int) -> dict:
+def load_hf(path: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def hf_one(model, ids: list[int], max_tokens: int) -> tuple[float, float]:
+    """(seconds for max_tokens tokens, per-token decode latency) with HF generate."""
     gen = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    x = torch.tensor([ids])
     with torch.inference_mode():
-        model.generate(torch.tensor([prompts[0]]), max_new_tokens=4, **gen)  # warm-up
-        total_t, tokens, per_tok = 0.0, 0, []
-        for i, ids in enumerate(prompts):
-            x = torch.tensor([ids])
-            t1 = _timed(lambda: model.generate(x, max_new_tokens=1, **gen))
-            tn = _timed(lambda: model.generate(x, max_new_tokens=max_tokens, **gen))
-            total_t += tn
-            tokens += max_tokens
-            per_tok.append((tn - t1) / (max_tokens - 1))
-            log(f"  hf {i + 1}/{len(prompts)}: {max_tokens / tn:.1f} tok/s")
-    return {"tokens_per_s": tokens / total_t, "per_token_latency_s": sum(per_tok) / len(per_tok)}
+        t1 = _timed(lambda: model.generate(x, max_new_tokens=1, **gen))
+        tn = _timed(lambda: model.generate(x, max_new_tokens=max_tokens, **gen))
+    return tn, (tn - t1) / (max_tokens - 1)
 
 
-def bench_engine(path, dtype: str, prompts, max_tokens: int, concurrency: int) -> dict:
+def make_engine(path, dtype: str, concurrency: int) -> LLMEngine:
     eng = LLMEngine(EngineConfig(model=path, dtype=dtype, num_blocks=2048, block_size=16,
                                  max_num_seqs=concurrency, max_num_batched_tokens=512,
                                  chunk_size=512))
+    eng.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+    return eng
+
+
+def engine_run(eng: LLMEngine, prompts, max_tokens: int) -> tuple[float, int, list[float]]:
+    """Run prompts together; (seconds, tokens, decode-step seconds with all running)."""
     p = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    eng.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
-    groups = [[x] for x in prompts] if concurrency == 1 else [prompts]
-    total_t, tokens, decode_steps = 0.0, 0, []
-    for gi, group in enumerate(groups):
-        for j, ids in enumerate(group):
-            eng.add_request(f"b{gi}-{j}", ids, p)
-        t0 = time.perf_counter()
-        while eng.has_unfinished:
-            t = time.perf_counter()
-            outs = eng.step()
-            dt = time.perf_counter() - t
-            # a pure decode step: every running sequence produced one token
-            if outs and len(outs) == len(eng.scheduler.running) + sum(o.finished for o in outs):
-                decode_steps.append((dt, len(outs)))
-            tokens += len(outs)
-        total_t += time.perf_counter() - t0
-        if concurrency == 1 and (gi + 1) % 4 == 0:
-            log(f"  engine c=1 {gi + 1}/{len(groups)}")
-    full = [dt for dt, n in decode_steps if n == concurrency] or [dt for dt, _ in decode_steps]
-    return {"tokens_per_s": tokens / total_t, "per_token_latency_s": sum(full) / len(full),
-            "weight_bytes": eng.model.weight_bytes}
+    for j, ids in enumerate(prompts):
+        eng.add_request(f"b{time.monotonic_ns()}-{j}", ids, p)
+    t0, tokens, full = time.perf_counter(), 0, []
+    while eng.has_unfinished:
+        t = time.perf_counter()
+        outs = eng.step()
+        dt = time.perf_counter() - t
+        if len(outs) == len(prompts) and tokens >= len(prompts):   # a pure decode step
+            full.append(dt)
+        tokens += len(outs)
+    return time.perf_counter() - t0, tokens, full
+
+
+def bench_c1(path, dtype: str, prompts, max_tokens: int) -> tuple[dict, dict, int]:
+    """(a) and (b) interleaved prompt by prompt, so machine load hits both alike."""
+    model = load_hf(path, getattr(torch, dtype))
+    eng = make_engine(path, dtype, 1)
+    hf_one(model, prompts[0], 4)
+    hf_t = hf_tok = eng_t = eng_tok = 0.0
+    hf_lat, eng_lat = [], []
+    for i, ids in enumerate(prompts):
+        t, lat = hf_one(model, ids, max_tokens)
+        hf_t, hf_tok = hf_t + t, hf_tok + max_tokens
+        hf_lat.append(lat)
+        t, n, steps = engine_run(eng, [ids], max_tokens)
+        eng_t, eng_tok = eng_t + t, eng_tok + n
+        eng_lat += steps
+        log(f"  c=1 prompt {i + 1}/{len(prompts)}: decode tok/s hf {1 / hf_lat[-1]:.0f} "
+            f"vs engine {len(steps) / sum(steps):.0f}")
+    return ({"tokens_per_s": hf_tok / hf_t, "per_token_latency_s": sum(hf_lat) / len(hf_lat)},
+            {"tokens_per_s": eng_tok / eng_t, "per_token_latency_s": sum(eng_lat) / len(eng_lat)},
+            eng.model.weight_bytes)
+
+
+def bench_batched(path, dtype: str, prompts, max_tokens: int, concurrency: int) -> dict:
+    eng = make_engine(path, dtype, concurrency)
+    t, n, steps = engine_run(eng, prompts, max_tokens)
+    return {"tokens_per_s": n / t, "per_token_latency_s": sum(steps) / max(1, len(steps))}
 
 
 def plot(results: dict, out: Path) -> None:
@@ -133,14 +153,14 @@ def main() -> None:
     bw = memcpy_bandwidth()
     log(f"memcpy {bw['copy_bytes_per_s'] / 1e9:.1f} GB/s copied")
     runs = {}
-    log("(a) transformers generate, one at a time")
-    runs["hf_c1"] = bench_hf(args.model, dtype, prompts, args.max_tokens)
-    for c in (1, 4, 16):
-        log(f"(b/c) engine concurrency {c}")
-        runs[f"engine_c{c}"] = bench_engine(args.model, args.dtype, prompts, args.max_tokens, c)
-    wbytes = runs["engine_c1"].pop("weight_bytes")
+    log("(a) transformers generate and (b) our engine, one request at a time, interleaved")
+    runs["hf_c1"], runs["engine_c1"], wbytes = bench_c1(args.model, args.dtype, prompts,
+                                                        args.max_tokens)
     for c in (4, 16):
-        runs[f"engine_c{c}"].pop("weight_bytes")
+        log(f"(c) engine, continuous batching at concurrency {c}")
+        # the same 16 requests each time; only the concurrency changes
+        runs[f"engine_c{c}"] = bench_batched(args.model, args.dtype, (prompts * 16)[:16],
+                                             args.max_tokens, c)
     bound = wbytes / bw["copy_bytes_per_s"]
     base = runs["hf_c1"]["tokens_per_s"]
     res = {
