@@ -79,7 +79,8 @@ def engine_run(eng: LLMEngine, prompts, max_tokens: int) -> tuple[float, int, li
         t = time.perf_counter()
         outs = eng.step()
         dt = time.perf_counter() - t
-        if len(outs) == len(prompts) and tokens >= len(prompts):   # a pure decode step
+        if len(outs) == min(len(prompts), eng.cfg.max_num_seqs) and tokens >= len(outs):
+            # a pure decode step with the batch full
             full.append(dt)
         tokens += len(outs)
     return time.perf_counter() - t0, tokens, full
