@@ -48,6 +48,10 @@ def decode_prefill_done(instance: str) -> str:  # prefill -> decode: PrefillDone
     return _subject("decode", "prefill_done", instance)
 
 
+def decode_claim(instance: str) -> str:         # prefill -> decode: PrefillClaim -> ClaimReply
+    return _subject("decode", "claim", instance)
+
+
 # ---- prefill -------------------------------------------------------------------------
 def prefill_jobs() -> str:                      # decode -> JetStream -> prefill: PrefillJob
     return _subject("prefill", "jobs")

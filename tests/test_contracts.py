@@ -11,6 +11,7 @@ from shared import subjects
 from shared.contracts.common import Codec, ContractError, encode
 from shared.contracts.kv import KvWrite
 from shared.contracts.messages import DecodeSubmit, KvDestination, PrefillJob
+from shared.contracts.reclaim import ClaimReply, PrefillClaim, Reclaim, ReclaimAck
 from shared.contracts.sampling import SamplingParams
 
 
@@ -40,6 +41,8 @@ def test_kv_write_headers_roundtrip():
     h = w.headers()
     assert all(isinstance(v, str) for v in h.values())
     assert KvWrite.from_headers(h) == w
+    w2 = msgspec.structs.replace(w, attempt="a1b2")
+    assert KvWrite.from_headers(w2.headers()) == w2
     with pytest.raises(ContractError):
         KvWrite.from_headers({"Pdmesh-request_id": "r"})
     with pytest.raises(ContractError):
@@ -48,7 +51,8 @@ def test_kv_write_headers_roundtrip():
 
 def test_subjects_follow_the_rules():
     made = [subjects.decode_submit("d_1"), subjects.decode_abort("d_1"), subjects.decode_kv("d_1"),
-            subjects.decode_prefill_done("d_1"), subjects.prefill_jobs(),
+            subjects.decode_prefill_done("d_1"), subjects.decode_claim("d_1"),
+            subjects.prefill_jobs(),
             subjects.prefill_reclaim("p_1"), subjects.gateway_tokens("g_1"),
             subjects.kvstore_health(), subjects.heartbeat("decode"),
             subjects.request_event("aborted"), subjects.health("decode", "d_1")]
@@ -62,3 +66,15 @@ def test_subjects_follow_the_rules():
 def test_messages_are_json_for_nats_sub():
     sp = SamplingParams(seed=1)
     assert msgspec.json.decode(encode(sp)) == {"seed": 1}
+
+
+def test_reclaim_messages_roundtrip():
+    for m in (PrefillClaim(request_id="r", attempt="a", prefill_instance="p", block_ids=[1],
+                           epochs=[9]),
+              ClaimReply(request_id="r", granted=False, reason="unknown request"),
+              Reclaim(request_id="r", attempt="a", decode_instance="d", reason="client"),
+              ReclaimAck(request_id="r", attempt="a", prefill_instance="p", owner=True,
+                         writes_issued=3, writes_completed=2, writes_failed=1)):
+        assert Codec(type(m)).decode(encode(m)) == m
+    with pytest.raises(ContractError):
+        Codec(ReclaimAck).decode(b'{"request_id": "r"}')

@@ -28,15 +28,26 @@ class DecodeConfig:
     deterministic: bool = False
     threads: int = field(default=1, metadata={"help": "torch threads (0: torch default; 1 suits several services per host)"})
     drain_timeout_s: float = 10.0
+    reclaim_lease_s: float = field(default=10.0, metadata={
+        "help": "an aborted request's blocks stay quarantined at most this long when its "
+                "prefill does not answer the reclaim (the epoch fence covers what follows)"})
+    reclaim_timeout_s: float = field(default=1.0, metadata={
+        "help": "wait this long for a ReclaimAck, then ask again (until the lease ends)"})
     # test-only fault injection (off by default)
     fault_drop_constraint_in_job: bool = field(default=False, metadata={
         "help": "TEST ONLY: send prefill jobs without their constraint"})
+    fault_no_reclaim_ack: bool = field(default=False, metadata={
+        "help": "TEST ONLY: grant every claim, free aborted blocks at once, send no Reclaim"})
+    fault_no_epoch_fence: bool = field(default=False, metadata={
+        "help": "TEST ONLY: KV writes land in the blocks they name, whatever their epoch"})
 
     def __post_init__(self):
         if self.mode not in ("auto", "pd", "colocated"):
             raise ValueError(f"mode must be auto, pd or colocated, got {self.mode!r}")
         if not self.model:
             raise ValueError("--model (PDMESH_MODEL) is required")
+        if self.reclaim_lease_s <= 0 or self.reclaim_timeout_s <= 0:
+            raise ValueError("reclaim_lease_s and reclaim_timeout_s must be > 0")
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -44,4 +55,4 @@ class DecodeConfig:
             num_blocks=self.num_blocks or None, kv_cache_bytes=self.kv_cache_mb << 20,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             chunk_size=self.chunk_size, deterministic=self.deterministic,
-            threads=self.threads or None)
+            threads=self.threads or None, epoch_fence=not self.fault_no_epoch_fence)

@@ -1,14 +1,19 @@
-"""Decode service.
+"""Decode service: a thin handler around the request lifecycle (lifecycle.py).
 
 Life cycle of a request:
   submit (from the gateway) -> check fingerprint and limits -> choose the path:
     colocated: the engine prefills and decodes the prompt itself;
     pd: reserve KV blocks (each stamped with an epoch) -> PrefillJob on the JetStream
-        work queue -> KV writes land in the reserved blocks (epoch-fenced) ->
-        PrefillDone (first token, writes issued) -> join the continuous batch.
+        work queue -> the prefill attempt that pulls it claims the blocks (PrefillClaim;
+        granted only while the request awaits KV) -> KV writes land in the reserved
+        blocks (epoch-fenced) -> PrefillDone (first token, writes issued) -> join the
+        continuous batch.
   -> every engine step streams TokenChunks to the gateway -> finished or aborted.
-If the prefill never completes (no live prefill worker, timeout, failure) the request is
-prefilled here instead, in fresh blocks, so a late write cannot land in it.
+Every abort (gateway Abort: client gone, timeout, explicit; decode shutdown; a failed or
+silent prefill, whose request is then prefilled here in fresh blocks) goes through the
+lifecycle: blocks that a claimed attempt may still write are quarantined, the attempt is
+sent a Reclaim, and the blocks return to the pool only when its ReclaimAck's writes have
+all arrived, or when the lease ends.
 """
 from __future__ import annotations
 
@@ -16,35 +21,37 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from shared import subjects
 from shared.contracts.common import Codec, ContractError, ErrorCode, ErrorReply, Ok, encode
 from shared.contracts.kv import KvWrite, KvWriteAck, checksum
 from shared.contracts.messages import (Abort, DecodeSubmit, Heartbeat, KvDestination, Path,
                                        PrefillDone, PrefillStatus, SubmitAck, TokenChunk)
+from shared.contracts.reclaim import ClaimReply, PrefillClaim, Reclaim, ReclaimAck
 from shared.engine.block_pool import NoFreeBlocks
 from shared.engine.engine import LLMEngine
 from shared.engine.grammar import ReplayError
 from shared.engine.kv_transfer import unpack_into
 from shared.engine.output import RequestOutput
 from shared.jobqueue import ensure_stream
-from shared.service import ServiceError, ServiceRuntime, new_instance_id
+from shared.service import ServiceError, ServiceRuntime, decode_reply, new_instance_id
 
 from .config import DecodeConfig
 from .jobs import make_prefill_job
+from .lifecycle import WANTS_KV, Lifecycle, Next, Plan, State
 
 log = logging.getLogger("pdmesh.decode")
+RECLAIM_ACK = Codec(ReclaimAck)
+SWEEP_S = 0.1
 
 
 @dataclass(slots=True)
 class Tracked:
-    """What the service knows about a request beyond the engine's view."""
+    """Where a live request's tokens go (its lifecycle state is in Lifecycle)."""
     reply_subject: str
     path: Path
     submitted: float
-    writes: dict[str, int] = field(default_factory=dict)   # KV writes applied, per sender
-    awaiting_kv: bool = False
     chunks: int = 0                                       # TokenChunks sent (their seq)
 
 
@@ -56,12 +63,14 @@ class DecodeService:
         self.fingerprint = self.engine.tokenizer.fingerprint
         self.rt = ServiceRuntime("decode", self.iid, cfg.nats_url, stats=self.stats)
         self.tracked: dict[str, Tracked] = {}
+        self.life = Lifecycle(cfg.reclaim_lease_s, cfg.reclaim_timeout_s,
+                              reclaim_ack=not cfg.fault_no_reclaim_ack)
         self.prefill_seen: dict[str, float] = {}
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self.wake = asyncio.Event()
         self.accepting = True
         self.counters = {"pd": 0, "colocated": 0, "kv_writes_applied": 0, "kv_writes_fenced": 0,
-                         "kv_bytes": 0, "prefill_fallbacks": 0, "aborts": 0}
+                         "kv_bytes": 0, "prefill_fallbacks": 0}
 
     # ---- lifecycle --------------------------------------------------------------------
     async def start(self) -> None:
@@ -76,6 +85,8 @@ class DecodeService:
         await self.rt.endpoint("kv", subjects.decode_kv(self.iid), self.on_kv, None, raw=True)
         await self.rt.endpoint("prefill_done", subjects.decode_prefill_done(self.iid),
                                self.on_prefill_done, Codec(PrefillDone))
+        await self.rt.endpoint("claim", subjects.decode_claim(self.iid), self.on_claim,
+                               Codec(PrefillClaim))
         await nc.subscribe(subjects.heartbeat("prefill"), cb=self.on_prefill_heartbeat)
         self.rt.spawn(self.engine_loop())
         self.rt.spawn(self.watchdog())
@@ -89,13 +100,18 @@ class DecodeService:
         self.executor.shutdown(wait=True, cancel_futures=True)
 
     async def drain(self) -> None:
-        """SIGTERM: refuse new work, let running requests finish, then abort the rest."""
+        """SIGTERM: refuse new work, let running requests finish, abort the rest, and give
+        their reclaims a moment (so prefill stops writing for requests that are gone)."""
         self.accepting = False
         deadline = time.monotonic() + self.cfg.drain_timeout_s
         while self.tracked and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         for rid in list(self.tracked):
-            await self.fail(rid, ErrorCode.SHUTTING_DOWN, "decode instance shut down")
+            await self.fail(rid, ErrorCode.SHUTTING_DOWN, "decode instance shut down",
+                            reason="shutdown")
+        deadline = time.monotonic() + min(self.cfg.reclaim_lease_s, 3 * self.cfg.reclaim_timeout_s)
+        while self.life.quarantine and time.monotonic() < deadline:
+            await asyncio.sleep(SWEEP_S)
 
     def heartbeat(self) -> Heartbeat:
         st = self.engine.stats()
@@ -103,12 +119,14 @@ class DecodeService:
                          tokenizer_fingerprint=self.fingerprint, running=st["running"],
                          waiting=st["waiting"], queue_depth=len(self.engine.remote),
                          blocks_free=st["blocks_free"], blocks_used=st["blocks_used"],
+                         blocks_quarantined=st["blocks_quarantined"],
                          accepting=self.accepting, max_model_len=self.engine.max_model_len,
                          ts=time.time())
 
     def stats(self) -> dict:
-        return self.engine.stats() | {"awaiting_kv": len(self.engine.remote),
-                                      "requests": len(self.tracked)} | self.counters
+        return (self.engine.stats() | {"awaiting_kv": len(self.engine.remote),
+                                       "requests": len(self.tracked)}
+                | self.counters | self.life.stats())
 
     # ---- handlers ---------------------------------------------------------------------
     async def on_submit(self, sub: DecodeSubmit) -> bytes:
@@ -118,35 +136,39 @@ class DecodeService:
             raise ServiceError(ErrorCode.TOKENIZER_MISMATCH,
                                "tokenizer fingerprint differs from this decode instance's",
                                sub.request_id)
-        if sub.request_id in self.tracked:
+        if sub.request_id in self.tracked or self.life.state(sub.request_id) is not None:
             raise ServiceError(ErrorCode.INVALID_REQUEST, "duplicate request id", sub.request_id)
+        rid = sub.request_id
         try:
             self.engine.check_request(sub.prompt_ids, sub.params)
             path = self.choose_path(sub)
             if path is Path.PD:
-                blocks, epochs = self.engine.reserve_remote(sub.request_id, sub.prompt_ids,
-                                                            sub.params, sub.constraint)
+                blocks, epochs = self.engine.reserve_remote(rid, sub.prompt_ids, sub.params,
+                                                            sub.constraint)
             else:
-                self.engine.add_request(sub.request_id, sub.prompt_ids, sub.params,
+                self.engine.add_request(rid, sub.prompt_ids, sub.params,
                                         constraint=sub.constraint)
         except NoFreeBlocks:
             path = Path.COLOCATED   # queue locally rather than refuse
-            self.engine.add_request(sub.request_id, sub.prompt_ids, sub.params,
-                                    constraint=sub.constraint)
+            self.engine.add_request(rid, sub.prompt_ids, sub.params, constraint=sub.constraint)
         except ValueError as e:     # limits, ids, an uncompilable constraint
-            raise ServiceError(ErrorCode.INVALID_REQUEST, str(e), sub.request_id) from e
+            raise ServiceError(ErrorCode.INVALID_REQUEST, str(e), rid) from e
         tr = Tracked(sub.reply_subject, path, time.monotonic())
-        self.tracked[sub.request_id] = tr
+        self.tracked[rid] = tr
         if path is Path.PD:
-            tr.awaiting_kv = True
+            self.life.admit_remote(rid, blocks, epochs)
             try:
                 await self.dispatch_prefill(sub, blocks, epochs)
+                self.life.queued(rid)
             except Exception as e:  # noqa: BLE001 - fall back, never fail
-                log.info("%s: PD dispatch failed (%s); prefilling locally", sub.request_id, e)
-                self.fallback_local(sub.request_id, tr)
+                log.info("%s: PD dispatch failed (%s); prefilling locally", rid, e)
+                if self.life.state(rid) in WANTS_KV:
+                    self.fallback_local(rid, "dispatch_failed")
+        else:
+            self.life.admit_local(rid)
         self.counters[tr.path.value] += 1
         self.wake.set()
-        return encode(SubmitAck(request_id=sub.request_id, path=tr.path))
+        return encode(SubmitAck(request_id=rid, path=tr.path))
 
     def choose_path(self, sub: DecodeSubmit) -> Path:
         if sub.force_path is not None:
@@ -168,58 +190,65 @@ class DecodeService:
                                drop_constraint=self.cfg.fault_drop_constraint_in_job)
         await self.js.publish(subjects.prefill_jobs(), encode(job), timeout=5)
 
+    async def on_claim(self, c: PrefillClaim) -> bytes:
+        granted, why = self.life.claim(c.request_id, c.attempt, c.prefill_instance,
+                                       c.block_ids, c.epochs)
+        return encode(ClaimReply(request_id=c.request_id, granted=granted, reason=why))
+
     async def on_kv(self, req) -> bytes:
         w = KvWrite.from_headers(req.headers)
         data = req.data
         if checksum(data) != w.checksum:
             raise ContractError(f"KV write {w.request_id}#{w.seq}: checksum mismatch")
         eng = self.engine
-        with eng.lock:
-            applied = eng.accept_kv(w.request_id, w.block_ids, w.epochs)
-            if applied:
-                try:
+        self.life.write(w.request_id, w.attempt or w.sender)   # counted, landed or not
+        try:
+            with eng.lock:
+                landed = eng.accept_kv(w.block_ids, w.epochs)
+                if landed:
                     unpack_into(eng.kv, w.block_ids, w.layer_start, w.layer_end, data, w.dtype,
                                 w.shape)
-                except ValueError as e:
-                    raise ServiceError(ErrorCode.INVALID_REQUEST, str(e), w.request_id) from e
-        tr = self.tracked.get(w.request_id)
-        if applied and tr is not None:
-            tr.writes[w.sender] = tr.writes.get(w.sender, 0) + 1
+        except ValueError as e:
+            raise ServiceError(ErrorCode.INVALID_REQUEST, str(e), w.request_id) from e
+        finally:
+            if self.life.settled(w.request_id):
+                self.release(w.request_id, "acked")
+        if landed:
             self.counters["kv_writes_applied"] += 1
             self.counters["kv_bytes"] += len(data)
         else:
             self.counters["kv_writes_fenced"] += 1
-        return encode(KvWriteAck(request_id=w.request_id, seq=w.seq, applied=applied))
+        return encode(KvWriteAck(request_id=w.request_id, seq=w.seq, applied=landed))
 
     async def on_prefill_done(self, done: PrefillDone) -> bytes:
         rid = done.request_id
-        tr = self.tracked.get(rid)
-        if tr is None or not tr.awaiting_kv or rid not in self.engine.remote:
-            return encode(Ok(request_id=rid))   # late or duplicate: nothing to do
-        got = tr.writes.get(done.prefill_instance, 0)
-        if done.status is not PrefillStatus.OK or got != done.writes_issued:
+        attempt = done.attempt or done.prefill_instance
+        ok = done.status is PrefillStatus.OK
+        nxt = self.life.prefill_done(rid, attempt, ok, done.writes_issued)
+        if self.life.settled(rid):
+            self.release(rid, "acked")
+        if nxt is Next.FALLBACK:
+            got = self.life.writes_received(rid, attempt)
             log.warning("%s: prefill %s (%s, %d/%d writes); prefilling locally", rid,
                         done.status.value, done.error.message if done.error else "", got,
                         done.writes_issued)
-            self.fallback_local(rid, tr)
-            return encode(Ok(request_id=rid))
-        tr.awaiting_kv = False
-        try:
-            out = self.engine.start_remote(rid, done.first_token, done.first_logprob,
-                                           done.first_top_logprobs)
-        except ReplayError as e:  # prefill sampled outside our grammar: refuse, never guess
-            log.error("%s: %s", rid, e)
-            await self.fail(rid, ErrorCode.PREFILL_FAILED, f"prefill/decode disagree: {e}")
-            return encode(Ok(request_id=rid))
-        await self.publish(out)
-        self.wake.set()
+            self.fallback_local(rid, "prefill_failed")
+        elif nxt is Next.START:
+            self.life.start(rid)
+            try:
+                out = self.engine.start_remote(rid, done.first_token, done.first_logprob,
+                                               done.first_top_logprobs)
+            except ReplayError as e:  # prefill sampled outside our grammar: refuse, never guess
+                log.error("%s: %s", rid, e)
+                await self.fail(rid, ErrorCode.PREFILL_FAILED, f"prefill/decode disagree: {e}",
+                                reason="replay_error")
+                return encode(Ok(request_id=rid))
+            await self.publish(out)
+            self.wake.set()
         return encode(Ok(request_id=rid))
 
     async def on_abort(self, ab: Abort) -> None:
-        if ab.request_id in self.tracked:
-            self.counters["aborts"] += 1
-            self.engine.abort(ab.request_id)
-            self.tracked.pop(ab.request_id, None)
+        self.abort(ab.request_id, ab.reason or "client")
         return None
 
     async def on_prefill_heartbeat(self, msg) -> None:
@@ -242,8 +271,9 @@ class DecodeService:
             except Exception:  # noqa: BLE001 - fail the batch, keep serving
                 log.exception("engine step failed")
                 for rid in list(self.tracked):
-                    if rid not in self.engine.remote:
-                        await self.fail(rid, ErrorCode.INTERNAL, "engine step failed")
+                    if self.life.state(rid) is State.RUNNING:
+                        await self.fail(rid, ErrorCode.INTERNAL, "engine step failed",
+                                        reason="engine_error")
                 continue
             for o in outs:
                 await self.publish(o)
@@ -262,14 +292,27 @@ class DecodeService:
         tr.chunks += 1
         if o.finished:
             self.tracked.pop(o.request_id, None)
+            self.life.finish(o.request_id)
         try:
             await self.rt.nc.publish(tr.reply_subject, encode(chunk))
         except Exception as e:  # noqa: BLE001 - gateway notices via its own timeouts
             log.warning("%s: cannot publish tokens: %s", o.request_id, e)
 
-    async def fail(self, rid: str, code: ErrorCode, message: str) -> None:
+    # ---- aborts and reclaims --------------------------------------------------------
+    def abort(self, rid: str, reason: str) -> Tracked | None:
+        """Every abort path ends here: the request leaves the batch; blocks a prefill may
+        still write are quarantined and their writers asked to stop."""
         tr = self.tracked.pop(rid, None)
-        self.engine.abort(rid)
+        plan = self.life.abort(rid, reason, time.monotonic())
+        if plan is Plan.QUARANTINE:
+            self.engine.abort(rid, quarantine=True)
+            self.ask_owners()
+        elif plan is not Plan.UNKNOWN:
+            self.engine.abort(rid)
+        return tr
+
+    async def fail(self, rid: str, code: ErrorCode, message: str, reason: str) -> None:
+        tr = self.abort(rid, reason)
         if tr is not None:
             err = ErrorReply(code=code, message=message, request_id=rid)
             chunk = TokenChunk(request_id=rid, finished=True, finish_reason="abort", error=err,
@@ -279,21 +322,57 @@ class DecodeService:
             except Exception:  # noqa: BLE001
                 pass
 
-    def fallback_local(self, rid: str, tr: Tracked) -> None:
-        tr.awaiting_kv = False
-        tr.path = Path.COLOCATED
+    def fallback_local(self, rid: str, reason: str) -> None:
+        """Prefill here, in fresh blocks; the reserved ones are reclaimed like an abort's."""
+        plan = self.life.fallback(rid, reason, time.monotonic())
+        self.engine.prefill_locally(rid, quarantine=plan is Plan.QUARANTINE)
+        tr = self.tracked.get(rid)
+        if tr is not None:
+            tr.path = Path.COLOCATED
         self.counters["prefill_fallbacks"] += 1
-        self.engine.prefill_locally(rid)
+        if plan is Plan.QUARANTINE:
+            self.ask_owners()
         self.wake.set()
 
+    def release(self, rid: str, outcome: str) -> None:
+        """ABORTING -> RECLAIMED: the quarantined blocks go back to the pool."""
+        self.engine.release_quarantined(rid)
+        self.life.reclaimed(rid, outcome, time.monotonic())
+        if outcome == "lease":
+            log.warning("%s: no reclaim answer within %.1fs; blocks freed (epoch-fenced)", rid,
+                        self.cfg.reclaim_lease_s)
+
+    def ask_owners(self) -> None:
+        for rid, attempt, instance in self.life.to_ask(time.monotonic()):
+            self.rt.spawn(self.send_reclaim(rid, attempt, instance))
+
+    async def send_reclaim(self, rid: str, attempt: str, instance: str) -> None:
+        q = self.life.quarantine.get(rid)
+        msg = Reclaim(request_id=rid, attempt=attempt, decode_instance=self.iid,
+                      reason=q.reason if q else "")
+        try:
+            reply = await self.rt.nc.request(subjects.prefill_reclaim(instance), encode(msg),
+                                             timeout=self.cfg.reclaim_timeout_s)
+            ack = decode_reply(reply.data, reply.headers, RECLAIM_ACK)
+        except Exception as e:  # noqa: BLE001 - asked again after reclaim_timeout_s, or the lease ends it
+            log.debug("%s: reclaim of %s on %s unanswered: %r", rid, attempt, instance, e)
+            return
+        self.life.reclaim_ack(rid, ack.attempt, ack.owner, ack.writes_issued)
+        if self.life.settled(rid):
+            self.release(rid, "acked")
+
     async def watchdog(self) -> None:
-        """Requests whose KV never arrives are prefilled here."""
+        """Requests whose KV never arrives are prefilled here; quarantines whose writers
+        answered (or whose lease ran out) end; silent writers are asked again."""
         while True:
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(SWEEP_S)
             now = time.monotonic()
+            for rid, outcome in self.life.ready(now):
+                self.release(rid, outcome)
+            self.ask_owners()
             for rid, tr in list(self.tracked.items()):
-                if tr.awaiting_kv and now - tr.submitted > self.cfg.prefill_timeout_s \
-                        and rid in self.engine.remote:
+                if now - tr.submitted > self.cfg.prefill_timeout_s \
+                        and self.life.state(rid) in WANTS_KV:
                     log.warning("%s: no KV after %.0fs; prefilling locally", rid,
                                 now - tr.submitted)
-                    self.fallback_local(rid, tr)
+                    self.fallback_local(rid, "prefill_timeout")

@@ -204,6 +204,9 @@ async def metrics(request: web.Request) -> web.Response:
                                   t["blocks_used"]),
         "pdmesh_kv_blocks_free": ("KV blocks free, summed over decode heartbeats.",
                                   t["blocks_free"]),
+        "pdmesh_kv_blocks_quarantined": ("KV blocks of aborted requests awaiting reclaim "
+                                         "(never handed out), summed over decode heartbeats.",
+                                         t["blocks_quarantined"]),
     })
     return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
 

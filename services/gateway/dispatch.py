@@ -147,6 +147,10 @@ class DecodeClient:
                 self.queues.pop(rid, None)
                 reasons.append(f"{inst}: not listening")
                 continue
+            except asyncio.CancelledError:     # the client left while decode was accepting
+                self.queues.pop(rid, None)
+                await self._abort(inst, rid, "client")          # in case it did accept
+                raise
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
                 self.queues.pop(rid, None)
                 await self._abort(inst, rid, "unacknowledged")   # in case it did accept

@@ -89,4 +89,5 @@ class Registry:
                 "waiting": sum(i.hb.waiting for i in alive),
                 "queue_depth": sum(i.hb.queue_depth for i in alive),
                 "blocks_free": sum(i.hb.blocks_free for i in alive),
-                "blocks_used": sum(i.hb.blocks_used for i in alive)}
+                "blocks_used": sum(i.hb.blocks_used for i in alive),
+                "blocks_quarantined": sum(i.hb.blocks_quarantined for i in alive)}

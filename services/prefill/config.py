@@ -26,9 +26,15 @@ class PrefillConfig:
     ack_wait_s: float = field(default=10.0, metadata={
         "help": "JetStream ack wait: a job is redelivered if its worker goes silent this long"})
     max_deliver: int = 5
+    claim_timeout_s: float = field(default=5.0, metadata={
+        "help": "wait this long for decode to grant a job's blocks, else drop the job"})
+    kv_max_write_bytes: int = field(default=0, metadata={
+        "help": "largest KV write payload (0: the NATS server's max_payload)"})
     # test-only fault injection (off by default)
     fault_delay_before_kv_s: float = field(default=0.0, metadata={
         "help": "TEST ONLY: sleep this long between computing a job and sending its KV"})
+    fault_kv_write_delay_s: float = field(default=0.0, metadata={
+        "help": "TEST ONLY: each KV write waits a random 0..this long once issued (slow wire)"})
 
     def __post_init__(self):
         if not self.model:

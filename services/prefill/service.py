@@ -2,12 +2,18 @@
 
 Life cycle of a job:
   pull from the JetStream work queue -> check tokenizer fingerprint and block size ->
+  open a write-ledger attempt and claim the job's blocks from decode (PrefillClaim;
+  refused when the request was aborted meanwhile: the job is acked, nothing computed) ->
   compute the prompt (continuous batching with other jobs) and sample the first token
   with the job's sampling params -> stream the prompt's KV blocks to the decode instance
   as KV writes, at most `kv_window` unacknowledged at a time (decode's ack is the credit,
-  so a fast sender can never make nats-server drop decode as a slow consumer) ->
-  PrefillDone (first token, writes issued) -> ack the job.
-A worker that dies before the ack leaves the job to be redelivered to another worker.
+  so a fast sender can never make nats-server drop decode as a slow consumer), each one
+  only while the ledger says the attempt may write -> PrefillDone (first token, writes
+  issued; FAILED with the count when something failed) -> ack the job.
+A Reclaim from decode cancels the attempt: no write starts after it, and the ReclaimAck
+(with the count of writes issued) goes back once every write in flight has completed.
+A worker that dies before the ack leaves the job to be redelivered to another worker,
+which claims it again as a new attempt.
 """
 from __future__ import annotations
 
@@ -17,21 +23,27 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
 import nats.errors
 
 from shared import subjects
 from shared.contracts.common import Codec, ContractError, ErrorCode, ErrorReply, encode
 from shared.contracts.messages import Heartbeat, PrefillDone, PrefillJob, PrefillStatus
+from shared.contracts.reclaim import ClaimReply, PrefillClaim, Reclaim, ReclaimAck
 from shared.engine.engine import LLMEngine
 from shared.engine.output import RequestOutput
 from shared.jobqueue import pull_subscription
-from shared.service import ServiceRuntime, new_instance_id
+from shared.service import ServiceRuntime, decode_reply, new_instance_id
 
 from .config import PrefillConfig
-from .sender import KvSender
+from .ledger import WriteLedger
+from .sender import KvSender, Reclaimed
 
 log = logging.getLogger("pdmesh.prefill")
 JOB = Codec(PrefillJob)
+RECLAIM = Codec(Reclaim)
+CLAIM_REPLY = Codec(ClaimReply)
+REAP_S = 5.0
 
 
 class PrefillService:
@@ -49,16 +61,24 @@ class PrefillService:
         # kv_transfer_s: summed transfer time of every job (kv_bytes / kv_transfer_s is the
         # per-job KV throughput); kv_max_write_bytes: the largest KV write payload sent
         self.counters = {"jobs_done": 0, "jobs_failed": 0, "kv_writes": 0, "kv_bytes": 0,
-                         "kv_transfer_s": 0.0, "kv_max_write_bytes": 0, "bad_jobs": 0}
+                         "kv_transfer_s": 0.0, "kv_max_write_bytes": 0, "bad_jobs": 0,
+                         "jobs_refused": 0, "jobs_reclaimed": 0, "jobs_redelivered": 0,
+                         "reclaims_answered": 0}
+        self.ledger = WriteLedger()
 
     async def start(self) -> None:
         await self.rt.start()
         self.js = self.rt.nc.jetstream()
         self.psub = await pull_subscription(self.js, self.cfg.ack_wait_s, self.cfg.max_deliver,
                                             self.cfg.max_jobs)
-        self.sender = KvSender(self.rt.nc, self.iid, self.cfg.kv_window, self.cfg.kv_ack_timeout_s)
+        self.sender = KvSender(self.rt.nc, self.iid, self.cfg.kv_window, self.cfg.kv_ack_timeout_s,
+                               self.ledger, self.cfg.kv_max_write_bytes,
+                               self.cfg.fault_kv_write_delay_s)
+        await self.rt.endpoint("reclaim", subjects.prefill_reclaim(self.iid), self.on_reclaim,
+                               None, raw=True)
         self.rt.spawn(self.fetch_loop())
         self.rt.spawn(self.engine_loop())
+        self.rt.spawn(self.reaper())
         log.info("prefill %s ready (model %s)", self.iid, self.cfg.model)
 
     async def serve(self) -> None:
@@ -85,8 +105,8 @@ class PrefillService:
                          blocks_used=st["blocks_used"], ts=time.time())
 
     def stats(self) -> dict:
-        return self.engine.stats() | {"jobs_active": self.active,
-                                      "kv_window": self.cfg.kv_window} | self.counters
+        return (self.engine.stats() | {"jobs_active": self.active, "kv_window": self.cfg.kv_window}
+                | self.counters | self.ledger.stats())
 
     # ---- jobs -------------------------------------------------------------------------
     async def fetch_loop(self) -> None:
@@ -126,37 +146,108 @@ class PrefillService:
                 request_id=job.request_id, status=PrefillStatus.FAILED, prefill_instance=self.iid,
                 error=ErrorReply(code=problem[0], message=problem[1], request_id=job.request_id)))
             return
+        if _deliveries(msg) > 1:
+            self.counters["jobs_redelivered"] += 1
+        attempt = uuid.uuid4().hex[:16]
+        entry = self.ledger.open(job.request_id, attempt, job.dest.instance_id)
         keepalive = self.rt.spawn(self.keep_alive(msg))
-        local_id = f"{job.request_id}/{uuid.uuid4().hex[:8]}"
+        try:
+            done = await self.attempt(job, attempt)
+        finally:
+            keepalive.cancel()
+            self.ledger.close(attempt, time.monotonic())
+        if done is None:            # refused or reclaimed: decode wants nothing more
+            await msg.ack()
+            return
+        if done.status is PrefillStatus.FAILED:
+            done = msgspec.structs.replace(done, writes_issued=entry.issued)
+        await self.finish(job, msg, done)
+
+    async def attempt(self, job: PrefillJob, attempt: str) -> PrefillDone | None:
+        """Claim, compute, write. None when decode refused the claim or reclaimed it."""
+        if not await self.claim(job, attempt):
+            self.counters["jobs_refused"] += 1
+            return None
+        local_id = f"{job.request_id}/{attempt[:8]}"
         t0 = time.monotonic()
         try:
             out = await self.compute(local_id, job)
             compute_s = time.monotonic() - t0
             if self.cfg.fault_delay_before_kv_s:
                 await asyncio.sleep(self.cfg.fault_delay_before_kv_s)
+            if not self.ledger.may_issue(attempt):
+                raise Reclaimed(f"{job.request_id}: reclaimed before its first write")
             t1 = time.monotonic()
-            writes, nbytes = await self.sender.send(job, self.engine, local_id)
+            writes, nbytes = await self.sender.send(job, self.engine, local_id, attempt)
             transfer_s = time.monotonic() - t1
             self.counters["kv_writes"] += writes
             self.counters["kv_bytes"] += nbytes
             self.counters["kv_transfer_s"] += transfer_s
             self.counters["kv_max_write_bytes"] = self.sender.max_write_bytes
             lp = out.logprobs[0] if out.logprobs else (None, None, None)
-            done = PrefillDone(request_id=job.request_id, status=PrefillStatus.OK,
+            return PrefillDone(request_id=job.request_id, status=PrefillStatus.OK,
                                prefill_instance=self.iid, first_token=out.new_token_ids[0],
                                first_logprob=lp[1], first_top_logprobs=lp[2],
                                writes_issued=writes, bytes_sent=nbytes, compute_s=compute_s,
-                               transfer_s=transfer_s)
+                               transfer_s=transfer_s, attempt=attempt)
+        except Reclaimed as e:
+            log.debug("%s", e)
+            self.counters["jobs_reclaimed"] += 1
+            return None
         except Exception as e:  # noqa: BLE001 - report, never crash the worker
             log.warning("%s: prefill failed: %r", job.request_id, e)
-            done = PrefillDone(request_id=job.request_id, status=PrefillStatus.FAILED,
-                               prefill_instance=self.iid,
+            self.ledger.stop(attempt)
+            await self.sender.wait_idle(attempt)
+            return PrefillDone(request_id=job.request_id, status=PrefillStatus.FAILED,
+                               prefill_instance=self.iid, attempt=attempt,
                                error=ErrorReply(code=ErrorCode.PREFILL_FAILED, message=repr(e),
                                                 request_id=job.request_id))
         finally:
-            keepalive.cancel()
             self.engine.release(local_id)
-        await self.finish(job, msg, done)
+
+    async def claim(self, job: PrefillJob, attempt: str) -> bool:
+        """Ask decode for the job's blocks; False when refused, unanswered, or reclaimed
+        while asking."""
+        c = PrefillClaim(request_id=job.request_id, attempt=attempt, prefill_instance=self.iid,
+                         block_ids=job.dest.block_ids, epochs=job.dest.epochs)
+        try:
+            msg = await self.rt.nc.request(subjects.decode_claim(job.dest.instance_id), encode(c),
+                                           timeout=self.cfg.claim_timeout_s)
+            reply = decode_reply(msg.data, msg.headers, CLAIM_REPLY)
+        except Exception as e:  # noqa: BLE001 - decode gone or silent: it cannot use this KV
+            log.info("%s: claim unanswered (%r); dropping the job", job.request_id, e)
+            return False
+        if not reply.granted:
+            log.debug("%s: claim refused: %s", job.request_id, reply.reason)
+            return False
+        return self.ledger.granted(attempt)
+
+    async def on_reclaim(self, req) -> None:
+        """Cancel the attempt; answer once its writes in flight have completed."""
+        r = RECLAIM.decode(req.data)
+        e = self.ledger.cancel(r.attempt)
+        if e is None or e.request_id != r.request_id:
+            await req.respond(encode(ReclaimAck(request_id=r.request_id, attempt=r.attempt,
+                                                prefill_instance=self.iid, owner=False)))
+            return None
+        self.rt.spawn(self.answer_reclaim(req, r.attempt))
+        return None
+
+    async def answer_reclaim(self, req, attempt: str) -> None:
+        await self.sender.wait_idle(attempt)
+        e = self.ledger.get(attempt)
+        self.counters["reclaims_answered"] += 1
+        try:
+            await req.respond(encode(ReclaimAck(
+                request_id=e.request_id, attempt=attempt, prefill_instance=self.iid, owner=True,
+                writes_issued=e.issued, writes_completed=e.completed, writes_failed=e.failed)))
+        except Exception as ex:  # noqa: BLE001 - decode asks again, or its lease ends it
+            log.debug("%s: ReclaimAck not sent: %r", e.request_id, ex)
+
+    async def reaper(self) -> None:
+        while True:
+            await asyncio.sleep(REAP_S)
+            self.ledger.reap(time.monotonic())
 
     def refuse_reason(self, job: PrefillJob) -> tuple[ErrorCode, str] | None:
         if job.tokenizer_fingerprint != self.fingerprint:
@@ -219,3 +310,10 @@ class PrefillService:
                 fut = self.pending.pop(o.request_id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(o)
+
+
+def _deliveries(msg) -> int:
+    try:
+        return msg.metadata.num_delivered
+    except Exception:  # noqa: BLE001 - not a JetStream message (tests)
+        return 1

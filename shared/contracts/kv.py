@@ -24,6 +24,7 @@ class KvWrite(msgspec.Struct, frozen=True, kw_only=True):
     checksum: int          # crc32 of the payload
     seq: int               # index of this write within the job
     sender: str
+    attempt: str = ""      # the prefill attempt (PrefillClaim.attempt) that issued it
 
     def headers(self) -> dict[str, str]:
         h = msgspec.structs.asdict(self)

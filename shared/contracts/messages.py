@@ -63,7 +63,9 @@ class PrefillStatus(str, enum.Enum):
 
 
 class PrefillDone(msgspec.Struct, frozen=True, kw_only=True):
-    """prefill -> decode, after every KV write of the job was acknowledged."""
+    """prefill -> decode, once no KV write of the attempt is in flight: OK after every
+    write was acknowledged, FAILED otherwise (writes_issued still counts every write sent,
+    so decode knows how many may still land)."""
     v: int = VERSION
     request_id: str
     status: PrefillStatus
@@ -76,6 +78,7 @@ class PrefillDone(msgspec.Struct, frozen=True, kw_only=True):
     compute_s: float = 0.0
     transfer_s: float = 0.0
     error: ErrorReply | None = None
+    attempt: str = ""                 # PrefillClaim.attempt
 
 
 class TokenChunk(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -112,6 +115,7 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     queue_depth: int = 0
     blocks_free: int = 0
     blocks_used: int = 0
+    blocks_quarantined: int = 0       # decode: aborted requests' blocks awaiting reclaim
     accepting: bool = True            # False while draining: send no new work
     max_model_len: int = 0
     ts: float = 0.0

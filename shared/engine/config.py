@@ -21,6 +21,7 @@ class EngineConfig:
     deterministic: bool = False          # batch-invariant logits (fixed-shape forwards)
     max_model_len: int | None = None     # default: the model's max_position_embeddings
     threads: int | None = None           # torch intra-op threads
+    epoch_fence: bool = True             # False: TEST ONLY, remote KV writes land unchecked
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

@@ -11,7 +11,9 @@ sample -> postprocess.
 
 Remote prefill (decode side): reserve_remote allocates blocks for a prompt whose KV
 another process computes; writes land through accept_kv (epoch-fenced); start_remote
-joins the sequence to the batch with its first token.
+joins the sequence to the batch with its first token. An aborted (or locally re-prefilled)
+request whose blocks may still be written can leave them quarantined: out of the pool,
+never handed out, until release_quarantined() once no write can land any more.
 
 Threading: step() may run in a worker thread while the service's event loop adds,
 aborts and applies KV writes. Bookkeeping happens under `lock`; the forward pass runs
@@ -70,6 +72,7 @@ class LLMEngine:
         self.scheduler = Scheduler(cfg, self.pool)
         self.requests: dict[str, _Req] = {}
         self.remote: dict[str, Sequence] = {}      # reserved, awaiting remote KV
+        self.quarantined: dict[str, list[int]] = {}  # aborted remote requests' blocks
         self._arrival = itertools.count()
         self._rng = random.Random()
         self.lock = threading.RLock()
@@ -133,9 +136,10 @@ class LLMEngine:
             seq.stop_after_prefill = prefill_only
             self.scheduler.add(seq)
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, quarantine: bool = False) -> bool:
         """Stop a request and free its blocks (after the current forward if it is in
-        one). Returns whether the request was known."""
+        one). quarantine: a request still awaiting remote KV keeps its blocks out of the
+        pool until release_quarantined(). Returns whether the request was known."""
         with self.lock:
             req = self.requests.get(request_id)
             if req is None:
@@ -143,16 +147,33 @@ class LLMEngine:
             if request_id in self._inflight:
                 self._deferred_aborts.add(request_id)
                 return True
-            self._finish_abort(req.seq)
+            self._finish_abort(req.seq, quarantine)
             return True
 
-    def _finish_abort(self, seq: Sequence) -> None:
+    def _finish_abort(self, seq: Sequence, quarantine: bool = False) -> None:
         self.requests.pop(seq.request_id, None)
         if self.remote.pop(seq.request_id, None) is not None:
-            self.pool.free(seq.block_table)
-            seq.block_table = []
+            self._drop_blocks(seq, quarantine)
             return
         self.scheduler.finish(seq, "abort")
+
+    def _drop_blocks(self, seq: Sequence, quarantine: bool) -> None:
+        if quarantine:
+            self.quarantined[seq.request_id] = seq.block_table
+        else:
+            self.pool.free(seq.block_table)
+        seq.block_table = []
+
+    def release_quarantined(self, request_id: str) -> int:
+        """Return a quarantined request's blocks to the pool; how many there were."""
+        with self.lock:
+            blocks = self.quarantined.pop(request_id, [])
+            self.pool.free(blocks)
+            return len(blocks)
+
+    @property
+    def num_quarantined(self) -> int:
+        return sum(len(b) for b in self.quarantined.values())
 
     # ---- remote prefill (decode side) ------------------------------------------------
     def reserve_remote(self, request_id: str, prompt_ids: list[int], params,
@@ -175,12 +196,18 @@ class LLMEngine:
             dest = seq.block_table[:self.pool.blocks_for(len(prompt_ids))]
             return dest, [self.pool.epoch[b] for b in dest]
 
-    def accept_kv(self, request_id: str, block_ids: list[int], epochs: list[int]) -> bool:
-        """Whether a KV write may land: the request still awaits KV and every block is
-        still in the epoch it was reserved under (the epoch fence). Call under lock."""
-        seq = self.remote.get(request_id)
-        if seq is None:
+    def accept_kv(self, block_ids: list[int], epochs: list[int]) -> bool:
+        """Whether a KV write may land: every block is still in the epoch the write was
+        issued under (the epoch fence). Any reallocation or start_remote() changes a
+        block's epoch, so a late write can never reach a block that has moved on; one
+        that lands in its own still-reserved or quarantined blocks harms nobody.
+        With cfg.epoch_fence off (TEST ONLY) every write lands where it points, like a
+        one-sided RDMA write with no fence. Call under lock."""
+        if len(block_ids) != len(epochs) or not all(
+                0 <= b < self.pool.num_blocks for b in block_ids):
             return False
+        if not self.cfg.epoch_fence:
+            return True
         return all(self.pool.epoch[b] == e for b, e in zip(block_ids, epochs))
 
     def start_remote(self, request_id: str, first_token: int, logprob=None,
@@ -203,12 +230,12 @@ class LLMEngine:
             self.scheduler.add_running(seq)
             return self.append_token(seq, first_token, SampleOutput(first_token, logprob, top_logprobs))
 
-    def prefill_locally(self, request_id: str) -> None:
-        """Give up on the remote prefill: compute the prompt here, in fresh blocks."""
+    def prefill_locally(self, request_id: str, quarantine: bool = False) -> None:
+        """Give up on the remote prefill: compute the prompt here, in fresh blocks.
+        quarantine: the reserved blocks stay out of the pool (see abort)."""
         with self.lock:
             seq = self.remote.pop(request_id)
-            self.pool.free(seq.block_table)
-            seq.block_table = []
+            self._drop_blocks(seq, quarantine)
             self.scheduler.add(seq)
 
     def kept_blocks(self, request_id: str) -> list[int]:
@@ -354,7 +381,7 @@ class LLMEngine:
     def stats(self) -> dict:
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "blocks_free": self.pool.num_free, "blocks_used": self.pool.num_used,
-                "blocks_total": self.pool.num_blocks}
+                "blocks_quarantined": self.num_quarantined, "blocks_total": self.pool.num_blocks}
 
 
 def _ids_mask(ids, V: int) -> torch.Tensor:

@@ -56,7 +56,7 @@ def test_totals_sum_live_instances_only():
     r.observe(hb("a", queue_depth=2, blocks_used=5, blocks_free=1), now=0.0)
     r.observe(hb("b", queue_depth=3, blocks_used=7, blocks_free=2), now=2.0)
     assert r.totals(2.5) == {"instances": 2, "running": 0, "waiting": 0, "queue_depth": 5,
-                            "blocks_free": 3, "blocks_used": 12}
+                            "blocks_free": 3, "blocks_used": 12, "blocks_quarantined": 0}
     assert r.totals(4.0)["blocks_used"] == 7
 
 
