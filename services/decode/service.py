@@ -243,6 +243,11 @@ class DecodeService:
                 await self.fail(rid, ErrorCode.PREFILL_FAILED, f"prefill/decode disagree: {e}",
                                 reason="replay_error")
                 return encode(Ok(request_id=rid))
+            except Exception as e:  # noqa: BLE001 - never leave an accepted request hanging
+                log.exception("%s: cannot start decoding", rid)
+                await self.fail(rid, ErrorCode.INTERNAL, f"decode could not start: {e!r}",
+                                reason="start_error")
+                return encode(Ok(request_id=rid))
             await self.publish(out)
             self.wake.set()
         return encode(Ok(request_id=rid))

@@ -222,8 +222,7 @@ class LLMEngine:
             if state is not None and not state.accept(first_token):
                 from .grammar import ReplayError
                 self._finish_abort(self.requests[request_id].seq)
-                raise ReplayError(f"first token {first_token} from prefill is not allowed by "
-                                  f"the request's constraint")
+                raise ReplayError(0, first_token)
             seq = self.remote.pop(request_id)
             self.pool.restamp(seq.block_table)   # no write may land from now on
             seq.num_computed = len(seq.prompt_ids)

@@ -55,3 +55,22 @@ def test_prefill_locally_can_quarantine_the_reserved_blocks(tiny_target):
         eng.step()
     eng.release_quarantined("a")
     assert eng.pool.num_used == 0
+
+
+def test_first_token_outside_the_grammar_is_refused_not_guessed(tiny_target):
+    """Prefill sampled a first token decode's grammar forbids (a dropped constraint):
+    start_remote raises ReplayError and the request is gone — never decoded on."""
+    from shared.contracts.constraint import Constraint, ConstraintKind
+    from shared.contracts.sampling import SamplingParams
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import LLMEngine
+    from shared.engine.grammar import ReplayError
+    import pytest
+
+    eng = LLMEngine(EngineConfig(model=str(tiny_target), num_blocks=64))
+    c = Constraint(kind=ConstraintKind.JSON_SCHEMA, json_schema='{"type":"object"}')
+    eng.reserve_remote("r", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=8), c)
+    not_json = eng.tokenizer.encode("hello")[0]
+    with pytest.raises(ReplayError):
+        eng.start_remote("r", not_json)
+    assert "r" not in eng.requests and not eng.has_unfinished
