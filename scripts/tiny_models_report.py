@@ -167,7 +167,8 @@ def write_readme(out: Path, report: dict) -> None:
         "",
         "## Data",
         "",
-        f"- Python {data['python']} standard library `*.py` (sorted paths, capped at {data['code_mb_cap']} MB): "
+        f"- Python {data['python']} standard library `*.py` library modules (sorted paths; no test suites, "
+        f"site-packages, encodings or pydoc_data; capped at {data['code_mb_cap']} MB): "
         f"{data['code_train_files']} files / {data['code_train_chars'] / 1e6:.1f} MB / {data['code_train_tokens']:,} tokens for training; "
         f"every {data['held_every']}th file held out ({data['code_held_files']} files, {data['code_held_tokens']:,} tokens).",
         f"- Synthetic dialogues (`scripts/synth_chat.py`, seed {data['seed']}): {data['dialogues_train']} train / "
@@ -180,14 +181,14 @@ def write_readme(out: Path, report: dict) -> None:
         "## Training",
         "",
         f"One CPU thread, bf16 autocast {tr['bf16']}, torch.compile {tr['compile']}, AdamW (wd 0.1, betas 0.9/0.95), "
-        f"warmup {tr['warmup']} steps then cosine to 10%, batch {tr['batch']} x {tr['seq']}.",
+        f"warmup {tr['warmup']} steps then cosine to 10%, sequences of {tr['seq']} tokens.",
         "",
-        "| model | steps | tokens | lr | time | final train loss |",
-        "|---|---|---|---|---|---|",
+        "| model | steps | batch | tokens | lr | time | final train loss |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name in ("target", "draft"):
         s = tr[name]
-        lines.append(f"| tiny-{name} | {s['steps']} | {s['tokens']:,} | {s['lr']} | {s['seconds'] / 60:.1f} min | {s['final_train_loss']} |")
+        lines.append(f"| tiny-{name} | {s['steps']} | {s.get('batch', '')} | {s['tokens']:,} | {s['lr']} | {s['seconds'] / 60:.1f} min | {s['final_train_loss']} |")
     lines += [
         "",
         f"The draft starts as a copy of the target's embedding, layer 0 and final norm, then trains on "

@@ -41,8 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="tiny everything, for tests")
     # data
-    p.add_argument("--code-mb", type=float, default=20.0, help="cap on stdlib source read (MB of text)")
-    p.add_argument("--held-every", type=int, default=40, help="every n-th stdlib file is held out")
+    p.add_argument("--code-mb", type=float, default=16.0, help="cap on stdlib source read (MB of text)")
+    p.add_argument("--held-every", type=int, default=25, help="every n-th stdlib file is held out")
     p.add_argument("--dialogues", type=int, default=4000, help="synthetic dialogues (train + held out)")
     p.add_argument("--chat-frac", type=float, default=0.3, help="share of training windows drawn from chat")
     p.add_argument("--vocab", type=int, default=8192)
@@ -56,9 +56,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-pos", type=int, default=4096)
     # training
     p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=920, help="target optimizer steps")
-    p.add_argument("--draft-steps", type=int, default=300)
+    p.add_argument("--batch", type=int, default=4, help="target batch (small batches learn more per token here)")
+    p.add_argument("--draft-batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=800, help="target optimizer steps")
+    p.add_argument("--draft-steps", type=int, default=200)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--draft-lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=30)
@@ -72,17 +73,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.smoke:
         args.code_mb, args.held_every, args.dialogues, args.vocab = 0.4, 10, 200, 600
         args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate = 64, 2, 4, 2, 128
-        args.seq, args.batch, args.steps, args.draft_steps, args.warmup = 64, 4, 6, 4, 2
+        args.seq, args.batch, args.draft_batch, args.steps, args.draft_steps, args.warmup = 64, 4, 4, 6, 4, 2
         args.compile, args.log_every = False, 2
     return args
 
 
 # data
 
+# installed packages, codec tables, docs held as one big string, and test suites (whose
+# self.assertEqual(...) lines otherwise dominate what a model this small learns to write)
+SKIP_DIRS = {"site-packages", "encodings", "pydoc_data", "test", "tests", "idle_test"}
+
+
 def stdlib_sources(cap_mb: float, held_every: int) -> tuple[list[str], list[str]]:
-    """(train, held-out) stdlib *.py texts, files in sorted path order, up to cap_mb in total."""
+    """(train, held-out) stdlib library-module texts (*.py, no tests) in sorted path order, up
+    to cap_mb in total."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    paths = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+    paths = sorted(p for p in root.rglob("*.py") if not SKIP_DIRS & set(p.relative_to(root).parts))
     train, held, total = [], [], 0
     for i, path in enumerate(paths):
         try:
@@ -210,7 +217,7 @@ def make_loss_fns(args):
     return ce_loss, distill_loss
 
 
-def train(name: str, model, loss_fn, sampler, args, steps: int, lr: float) -> dict:
+def train(name: str, model, loss_fn, sampler, args, steps: int, lr: float, batch_size: int) -> dict:
     """AdamW with linear warmup then cosine decay to 10%; returns timing and the last losses."""
     import torch
 
@@ -231,7 +238,7 @@ def train(name: str, model, loss_fn, sampler, args, steps: int, lr: float) -> di
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
-        batch = sampler.batch(args.batch)
+        batch = sampler.batch(batch_size)
         loss = loss_fn(batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -252,7 +259,7 @@ def train(name: str, model, loss_fn, sampler, args, steps: int, lr: float) -> di
             mark, mark_tokens, mark_step = now, tokens, step
     model.eval()
     tail = losses[-max(1, steps // 10):]
-    return {"steps": steps, "tokens": tokens, "seconds": round(time.time() - start, 1),
+    return {"steps": steps, "batch": batch_size, "tokens": tokens, "seconds": round(time.time() - start, 1),
             "first_step_seconds": round(first_step_s, 1), "final_train_loss": round(sum(tail) / len(tail), 4)}
 
 
@@ -339,7 +346,8 @@ def main(argv=None) -> Path:
     else:
         target = LlamaForCausalLM(llama_config(args, args.layers, tok))
         sampler = WindowSampler(streams["code"], streams["chat"], args.seq, args.chat_frac, args.seed)
-        t_stats = train("target", target, lambda b: ce_loss(target, b), sampler, args, args.steps, args.lr)
+        t_stats = train("target", target, lambda b: ce_loss(target, b), sampler, args, args.steps, args.lr,
+                        args.batch)
     target.requires_grad_(False)
 
     # draft
@@ -350,7 +358,7 @@ def main(argv=None) -> Path:
     print(f"draft greedy agreement at init: {d_init_agree:.1%}", flush=True)
     sampler = WindowSampler(streams["code"], streams["chat"], args.seq, args.chat_frac, args.seed + 1)
     d_stats = train("draft", draft, lambda b: distill_loss(draft, target, b), sampler, args,
-                    args.draft_steps, args.draft_lr)
+                    args.draft_steps, args.draft_lr, args.draft_batch)
     d_stats["agreement_at_init"] = d_init_agree
 
     save(target, hf_tok, out / "tiny-target", eos_ids, eot)
@@ -370,7 +378,7 @@ def main(argv=None) -> Path:
                  "code_held_tokens": len(streams["code_held"]), "seed": args.seed,
                  "dialogues_train": len(chat_train), "dialogues_held": len(chat_held),
                  "chat_train_tokens": len(streams["chat"]), "chat_held_tokens": len(streams["chat_held"])},
-        "training": {"seq": args.seq, "batch": args.batch, "chat_frac": args.chat_frac, "bf16": args.bf16,
+        "training": {"seq": args.seq, "chat_frac": args.chat_frac, "bf16": args.bf16,
                      "compile": args.compile, "warmup": args.warmup, "threads": args.threads,
                      "distill_alpha": args.distill_alpha,
                      "target": {**t_stats, "lr": args.lr}, "draft": {**d_stats, "lr": args.draft_lr},
