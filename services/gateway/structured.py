@@ -1,0 +1,216 @@
+"""Tools and structured output (chat requests) -> a `Constraint`, or an OpenAIError.
+
+    tools, tool_choice "auto" (the default with tools)  -> TOOLS_AUTO
+    tool_choice "required"                               -> TOOLS_REQUIRED
+    tool_choice {"type": "function", "function": {...}}  -> TOOL_NAMED (tool_name)
+    tool_choice "none"                                   -> NONE (tools still in the prompt)
+    response_format json_object / json_schema            -> JSON_OBJECT / JSON_SCHEMA
+    parallel_tool_calls                                  -> Constraint.parallel_tool_calls
+
+`tools` and `json_schema` travel as compact JSON text (no spaces, only the fields we know,
+keys in the client's order: NOT sorted, because xgrammar generates an object's properties
+in schema order, and sorting would force arguments into alphabetical order, unlike the
+declared order the prompt shows and OpenAI / vLLM produce). Every
+constraint is built with `build_grammar` here (cached), so a schema the engine cannot
+enforce is a 400 naming it, never a failure further down. Refused combinations (400):
+response_format with tools unless tool_choice is "none" (one grammar cannot be both a JSON
+document and a tool call), "required" / a named tool without tools, a named tool not in
+tools. The deprecated `functions` / `function_call` are refused by name (not mapped: their
+answers would have to use the deprecated `function_call` message field too).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from functools import lru_cache
+
+from shared.contracts.constraint import Constraint, ConstraintKind
+
+from .protocol import ChatCompletionRequest, OpenAIError
+
+log = logging.getLogger("pdmesh.gateway")
+
+MAX_TOOLS = 128                                   # OpenAI's limit
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")    # OpenAI's rule for function names
+TOOL_CHOICES = ("none", "auto", "required")
+# JSON nesting of one schema document (~30 levels of nested objects): xgrammar's compile time
+# grows fast with depth (seconds at ~150 levels), and the gateway compiles every schema
+MAX_SCHEMA_DEPTH = 64
+_CANON = dict(separators=(",", ":"))   # key order kept: it is the generated property order
+TOOL_KINDS = (ConstraintKind.TOOLS_AUTO, ConstraintKind.TOOLS_REQUIRED, ConstraintKind.TOOL_NAMED)
+
+
+def tools_and_format(req: ChatCompletionRequest) -> tuple[list[dict] | None, Constraint]:
+    """(tools for the chat template or None, the constraint); 400 for what cannot be served."""
+    for name in ("functions", "function_call"):
+        if getattr(req, name) is not None:
+            raise OpenAIError(400, f"'{name}' is not supported; it is the deprecated form of "
+                                   f"'{'tools' if name == 'functions' else 'tool_choice'}': send "
+                                   f"'tools' and 'tool_choice' instead", name)
+    tools = _tools(req.tools)
+    kind, tool_name = _tool_choice(req.tool_choice, tools)
+    fmt = _response_format(req.response_format)
+    if tools:
+        # every tool must compile, whatever tool_choice says (they are all in the prompt)
+        _check_grammar(Constraint(kind=ConstraintKind.TOOLS_AUTO, tools=_canonical(tools)),
+                       "tools")
+    if fmt is not None and kind is not ConstraintKind.NONE:
+        forced = ("tool_choice 'required'" if kind is ConstraintKind.TOOLS_REQUIRED else
+                  f"tool_choice naming '{tool_name}'" if kind is ConstraintKind.TOOL_NAMED else
+                  "tools with tool_choice 'auto'")
+        raise OpenAIError(400, f"'response_format' of type '{fmt.kind.value}' cannot be combined "
+                               f"with {forced}: the output cannot be both a JSON document and a "
+                               f"tool call. Drop 'response_format', or set 'tool_choice' to "
+                               f"'none' to get JSON with the tools only described in the prompt",
+                          "response_format")
+    if fmt is not None:
+        constraint = fmt
+        _check_grammar(constraint, "response_format.json_schema.schema"
+                       if fmt.kind is ConstraintKind.JSON_SCHEMA else "response_format",
+                       prefix=True)
+    elif kind is ConstraintKind.NONE:
+        constraint = Constraint()
+    else:
+        constraint = Constraint(kind=kind, tools=_canonical(tools), tool_name=tool_name,
+                                parallel_tool_calls=req.parallel_tool_calls is not False)
+        _check_grammar(constraint, "tool_choice" if tool_name else "tools")
+    return tools, constraint
+
+
+def _tools(tools) -> list[dict] | None:
+    """The tools list in OpenAI form, only the fields we know (what the template renders and
+    the constraint carries); None when there are none."""
+    if not tools:
+        return None
+    if len(tools) > MAX_TOOLS:
+        raise OpenAIError(400, f"'tools' may hold at most {MAX_TOOLS} tools, got {len(tools)}",
+                          "tools")
+    out: list[dict] = []
+    seen: dict[str, int] = {}
+    for i, tool in enumerate(tools):
+        p = f"tools[{i}]"
+        if tool.type != "function":
+            raise OpenAIError(400, f"'{p}.type' must be 'function', got {tool.type!r}",
+                              f"{p}.type")
+        fn = tool.function
+        if not TOOL_NAME.fullmatch(fn.name):
+            raise OpenAIError(400, f"'{p}.function.name' must be 1 to 64 characters of a-z, A-Z, "
+                                   f"0-9, underscores and dashes; got {fn.name[:80]!r}",
+                              f"{p}.function.name")
+        if fn.name in seen:
+            raise OpenAIError(400, f"tool name '{fn.name}' appears more than once in 'tools' "
+                                   f"(tools[{seen[fn.name]}] and tools[{i}])", f"{p}.function.name")
+        seen[fn.name] = i
+        params = fn.parameters
+        if params is not None:
+            _check_depth(params, f"{p}.function.parameters")
+        if params is not None and params.get("type", "object") != "object":
+            raise OpenAIError(400, f"'{p}.function.parameters' must be a JSON schema of type "
+                                   f"'object', got type {params.get('type')!r}",
+                              f"{p}.function.parameters")
+        d: dict = {"name": fn.name}
+        if fn.description is not None:
+            d["description"] = fn.description
+        if params is not None:
+            d["parameters"] = params
+        out.append({"type": "function", "function": d})
+    return out
+
+
+def _tool_choice(choice, tools: list[dict] | None) -> tuple[ConstraintKind, str | None]:
+    if choice is None:
+        return (ConstraintKind.TOOLS_AUTO if tools else ConstraintKind.NONE), None
+    if isinstance(choice, str):
+        if choice not in TOOL_CHOICES:
+            raise OpenAIError(400, f"'tool_choice' must be 'none', 'auto', 'required' or "
+                                   f'{{"type": "function", "function": {{"name": ...}}}}; got '
+                                   f"{choice[:80]!r}", "tool_choice")
+        if choice == "none":
+            return ConstraintKind.NONE, None
+        if not tools:
+            if choice == "required":
+                raise OpenAIError(400, "'tool_choice' is 'required' but no 'tools' were given",
+                                  "tool_choice")
+            return ConstraintKind.NONE, None          # "auto" with nothing to call
+        return (ConstraintKind.TOOLS_REQUIRED if choice == "required"
+                else ConstraintKind.TOOLS_AUTO), None
+    if choice.type != "function":
+        raise OpenAIError(400, f"'tool_choice.type' must be 'function', got {choice.type!r}",
+                          "tool_choice.type")
+    name = choice.function.name
+    if not tools:
+        raise OpenAIError(400, f"'tool_choice' names function {name[:80]!r} but no 'tools' were "
+                               f"given", "tool_choice")
+    names = [t["function"]["name"] for t in tools]
+    if name not in names:
+        raise OpenAIError(400, f"'tool_choice' names function {name[:80]!r}, which is not in "
+                               f"'tools' (tools: {', '.join(names[:20])}"
+                               f"{', ...' if len(names) > 20 else ''})", "tool_choice")
+    return ConstraintKind.TOOL_NAMED, name
+
+
+def _response_format(rf) -> Constraint | None:
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return Constraint(kind=ConstraintKind.JSON_OBJECT)
+    if rf.type == "json_schema":
+        if rf.json_schema is None:
+            raise OpenAIError(400, "'response_format.json_schema' is required when "
+                                   "'response_format.type' is 'json_schema'",
+                              "response_format.json_schema")
+        if rf.json_schema.schema_ is None:
+            raise OpenAIError(400, "'response_format.json_schema.schema' is required: the JSON "
+                                   "schema the output must follow",
+                              "response_format.json_schema.schema")
+        _check_depth(rf.json_schema.schema_, "response_format.json_schema.schema")
+        return Constraint(kind=ConstraintKind.JSON_SCHEMA,
+                          json_schema=_canonical(rf.json_schema.schema_,
+                                                 "response_format.json_schema.schema"))
+    raise OpenAIError(400, f"'response_format.type' must be one of 'text', 'json_object', "
+                           f"'json_schema'; got {rf.type[:80]!r}", "response_format.type")
+
+
+def _check_depth(schema, param: str) -> None:
+    stack = [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise OpenAIError(400, f"'{param}' is nested too deeply: more than "
+                                   f"{MAX_SCHEMA_DEPTH} levels of JSON", param)
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
+
+
+def _canonical(obj, param: str = "tools") -> str:
+    try:
+        return json.dumps(obj, **_CANON)
+    except (RecursionError, ValueError, TypeError) as e:
+        raise OpenAIError(400, f"'{param}' cannot be used: {type(e).__name__}: {e}",
+                          param) from None
+
+
+def _check_grammar(c: Constraint, param: str, prefix: bool = False) -> None:
+    problem = _grammar_problem(c)
+    if problem is not None:
+        raise OpenAIError(400, f"'{param}' cannot be used: {problem}" if prefix else problem,
+                          param)
+
+
+@lru_cache(maxsize=512)
+def _grammar_problem(c: Constraint) -> str | None:
+    """What build_grammar refuses in this constraint, or None (cached per constraint)."""
+    from shared.engine.grammar import ConstraintError, build_grammar
+    try:
+        build_grammar(c)
+    except ConstraintError as e:
+        return str(e)
+    except RecursionError:
+        return "the schema is nested too deeply for constrained decoding"
+    except Exception as e:  # noqa: BLE001 - xgrammar refusing in a way we did not foresee
+        log.warning("grammar build failed unexpectedly for %s: %r", c.kind.value, e)
+        return f"the schema cannot be compiled for constrained decoding: {e}"
+    return None
