@@ -28,18 +28,19 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
+
+from .bench_plot import plot
+from .loadgen import completion_body, fmt_level, run_level, stream_one
+from .rawnats import BenchError, log, raw_baseline, raw_for, responder_main
 
 DEFAULT_URL = os.environ.get("PDMESH_URL", "http://127.0.0.1:8000")
 DEFAULT_NATS_URL = os.environ.get("PDMESH_NATS_URL", "nats://127.0.0.1:4222")
 PATHS = ("pd", "colocated")
 TARGET_LATENCY_RATIO = 1.3
 TARGET_KV_VS_RAW = 0.5
-RAW_REPS = 3        # the raw baseline's bytes/s: median of this many runs (--raw-mb in all)
 
 # short prompts: fixed, distinct per request (a numbered header) so no two are the same
 PROMPTS = [
@@ -61,14 +62,6 @@ LONG_UNIT = (
     "        else:\n"
     "            out.append(b[j]); j += 1\n"
     "    return out + a[i:] + b[j:]\n\n")
-
-
-class BenchError(RuntimeError):
-    pass
-
-
-def log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 # ---- arguments -------------------------------------------------------------------------------
@@ -126,135 +119,6 @@ def requests_for(c: int, requested: int | None) -> int:
     return max(requested, c) if requested else max(4, 2 * c)
 
 
-# ---- statistics ------------------------------------------------------------------------------
-def percentile(xs: list[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    if not xs:
-        return None
-    s = sorted(xs)
-    k = (len(s) - 1) * q / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-def summary(xs: list[float]) -> dict:
-    return {"mean": sum(xs) / len(xs) if xs else None, "p50": percentile(xs, 50),
-            "p90": percentile(xs, 90), "n": len(xs)}
-
-
-# ---- one streamed request ------------------------------------------------------------------
-def completion_body(model: str, prompt: str, path: str, max_tokens: int) -> dict:
-    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-            "return_token_ids": True, "pdmesh_path": path}
-
-
-async def stream_one(http, url: str, body: dict) -> dict:
-    """POST a streamed completion; time every chunk that carries tokens."""
-    t0 = time.perf_counter()
-    first = last = None
-    gaps: list[tuple[float, int]] = []
-    ntok = 0
-    usage = None
-    async with http.post(url + "/v1/completions", json=body) as r:
-        if r.status != 200:
-            raise BenchError(f"HTTP {r.status}: {(await r.text())[:300]}")
-        path = r.headers.get("x-pdmesh-path")
-        async for raw in r.content:        # SSE: one `data: {...}` line per event
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                break
-            ev = json.loads(data)
-            if "error" in ev:
-                raise BenchError(f"stream error: {ev['error'].get('message')}")
-            if ev.get("usage"):
-                usage = ev["usage"]
-            choices = ev.get("choices") or []
-            n = len(choices[0].get("token_ids") or ()) if choices else 0
-            if not n:
-                continue
-            now = time.perf_counter()
-            if first is None:
-                first = now
-            else:
-                gaps.append((now - last, n))
-            last = now
-            ntok += n
-    end = time.perf_counter()
-    if first is None:
-        raise BenchError("no token arrived")
-    return {"ttft_s": first - t0, "itl_s": [g / n for g, n in gaps],
-            "decode_s": sum(g for g, _ in gaps), "decode_tokens": sum(n for _, n in gaps),
-            "tokens": (usage or {}).get("completion_tokens") or ntok, "streamed_tokens": ntok,
-            "prompt_tokens": (usage or {}).get("prompt_tokens"), "path": path,
-            "latency_s": end - t0}
-
-
-async def run_level(http, url: str, bodies: list[dict], c: int, label: str) -> dict:
-    """All bodies, at most c in flight; progress lines while it runs."""
-    want = bodies[0]["pdmesh_path"]
-    queue = list(enumerate(bodies))
-    results: list[dict] = []
-    errors: list[str] = []
-    done_tokens = 0
-    every = max(1, len(bodies) // 8)
-    t0 = time.perf_counter()
-
-    async def worker() -> None:
-        nonlocal done_tokens
-        while queue:
-            _i, body = queue.pop(0)
-            try:
-                res = await stream_one(http, url, body)
-            except Exception as e:  # noqa: BLE001 - counted and reported, the level goes on
-                errors.append(f"{type(e).__name__}: {e}"[:300])
-            else:
-                results.append(res)
-                done_tokens += res["tokens"]
-            n = len(results) + len(errors)
-            if n % every == 0 or n == len(bodies):
-                el = time.perf_counter() - t0
-                log(f"  {label}: {n}/{len(bodies)} done, {done_tokens / el:.1f} tok/s"
-                    + (f", {len(errors)} failed" if errors else ""))
-
-    await asyncio.gather(*(worker() for _ in range(min(c, len(bodies)))))
-    wall = time.perf_counter() - t0
-    itl = [x for r in results for x in r["itl_s"]]
-    dec_s = sum(r["decode_s"] for r in results)
-    dec_n = sum(r["decode_tokens"] for r in results)
-    tokens = sum(r["tokens"] for r in results)
-    prompt = [r["prompt_tokens"] for r in results if r["prompt_tokens"]]
-    out = {
-        "path": want, "concurrency": c, "requests": len(bodies), "ok": len(results),
-        "errors": len(errors), "error_samples": errors[:3],
-        "path_mismatch": sum(1 for r in results if r["path"] != want),
-        "paths_seen": sorted({str(r["path"]) for r in results}),
-        "ttft_s": summary([r["ttft_s"] for r in results]),
-        "itl_s": summary(itl),
-        "tpot_s": dec_s / dec_n if dec_n else None,     # token-weighted ITL
-        "latency_s": summary([r["latency_s"] for r in results]),
-        "completion_tokens": tokens, "wall_s": wall,
-        "tokens_per_s": tokens / wall if wall > 0 else None,
-        "prompt_tokens_mean": sum(prompt) / len(prompt) if prompt else None,
-    }
-    if out["path_mismatch"]:
-        log(f"  {label}: WARNING {out['path_mismatch']} answers came back on another path "
-            f"({out['paths_seen']})")
-    return out
-
-
-def fmt_level(r: dict) -> str:
-    def ms(x):
-        return "-" if x is None else f"{x * 1e3:.1f}"
-    tps = r["tokens_per_s"]
-    return (f"TTFT p50 {ms(r['ttft_s']['p50'])} ms p90 {ms(r['ttft_s']['p90'])} ms | "
-            f"ITL mean {ms(r['itl_s']['mean'])} ms p90 {ms(r['itl_s']['p90'])} ms | "
-            f"{'-' if tps is None else f'{tps:.1f}'} tok/s | {r['ok']}/{r['requests']} ok")
-
-
 # ---- mesh counters ($SRV.STATS) ----------------------------------------------------------------
 KV_KEYS = ("kv_bytes", "kv_writes", "kv_transfer_s", "jobs_done", "jobs_failed")
 DECODE_KEYS = ("pd", "colocated", "prefill_fallbacks", "kv_writes_fenced")
@@ -295,125 +159,6 @@ def kv_summary(deltas: list[dict], has_transfer_s: bool) -> dict | None:
             "bytes_per_s": b / t if has_transfer_s and t > 0 else None,
             "mean_write_bytes": b / w,
             "max_write_bytes": max(d["kv_max_write_bytes"] for d in deltas)}
-
-
-# ---- raw NATS baseline -----------------------------------------------------------------------
-async def responder_main(subject: str, nats_url: str) -> int:
-    """A plain responder: reply to every request at once; exit when stdin closes."""
-    import nats
-
-    ack = b'{"applied":true}'
-    nc = await nats.connect(nats_url, pending_size=64 << 20)
-
-    async def on_msg(msg) -> None:
-        await msg.respond(ack)
-
-    await nc.subscribe(subject, cb=on_msg, pending_bytes_limit=256 << 20)
-    await nc.flush()
-    print("ready", flush=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
-    await nc.close()
-    return 0
-
-
-class Responder:
-    """The responder in its own process (like decode, not sharing the sender's loop)."""
-
-    def __init__(self, nats_url: str):
-        from shared import subjects
-
-        self.subject = subjects.bench_raw(uuid.uuid4().hex[:12])
-        self.nats_url = nats_url
-        self.proc: subprocess.Popen | None = None
-
-    async def __aenter__(self) -> "Responder":
-        root = str(Path(__file__).resolve().parents[1])
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdmesh.bench", "--raw-responder", self.subject,
-             "--nats-url", self.nats_url], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            env=env, text=True)
-        line = await asyncio.wait_for(
-            asyncio.get_running_loop().run_in_executor(None, self.proc.stdout.readline), 30)
-        if line.strip() != "ready":
-            self.close()
-            raise BenchError(f"raw responder did not start (exit {self.proc.poll()})")
-        return self
-
-    def close(self) -> None:
-        if self.proc is None:
-            return
-        try:
-            self.proc.stdin.close()
-            self.proc.wait(5)
-        except Exception:  # noqa: BLE001
-            self.proc.kill()
-            self.proc.wait()
-        self.proc = None
-
-    async def __aexit__(self, *exc) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self.close)
-
-
-async def raw_run(nc, subject: str, size: int, window: int, total_bytes: float,
-                  max_s: float) -> dict:
-    """Requests of `size` bytes, at most `window` unanswered (like prefill's KvSender)."""
-    payload = bytes(size)
-    n = max(4 * window, math.ceil(total_bytes / size))
-    sent = 0
-    nbytes = 0
-    stop_at = time.perf_counter() + max_s
-
-    async def lane() -> None:
-        nonlocal sent, nbytes
-        while sent < n and time.perf_counter() < stop_at:
-            sent += 1
-            await nc.request(subject, payload, timeout=10)
-            nbytes += size
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(lane() for _ in range(window)))
-    el = time.perf_counter() - t0
-    return {"payload_bytes": size, "window": window, "messages": sent, "bytes": nbytes,
-            "seconds": el, "bytes_per_s": nbytes / el if el > 0 else None,
-            "capped": sent < n}
-
-
-async def raw_baseline(nats_url: str, sizes: list[int], windows: list[int], total_bytes: float,
-                       max_s: float) -> list[dict]:
-    import nats
-
-    nc = await nats.connect(nats_url, pending_size=64 << 20)
-    out = []
-    try:
-        async with Responder(nats_url) as resp:
-            for size in sizes:
-                size = max(1, min(int(size), nc.max_payload - 4096))
-                for w in windows:
-                    payload = bytes(size)
-                    for _ in range(2):     # warm-up
-                        await asyncio.gather(*(nc.request(resp.subject, payload, timeout=10)
-                                               for _ in range(w)))
-                    reps = [await raw_run(nc, resp.subject, size, w, total_bytes / RAW_REPS,
-                                          max_s / RAW_REPS) for _ in range(RAW_REPS)]
-                    r = sorted(reps, key=lambda x: x["bytes_per_s"] or 0)[len(reps) // 2]
-                    r = r | {"reps_bytes_per_s": [x["bytes_per_s"] for x in reps],
-                             "messages": sum(x["messages"] for x in reps),
-                             "capped": any(x["capped"] for x in reps)}
-                    log(f"  raw NATS {size / 1024:.1f} KiB x window {w}: "
-                        f"{r['bytes_per_s'] / 1e6:.1f} MB/s (median of {RAW_REPS}: "
-                        + ", ".join(f"{x / 1e6:.0f}" for x in r["reps_bytes_per_s"])
-                        + f"; {r['messages']} requests)")
-                    out.append(r)
-    finally:
-        await nc.close()
-    return out
-
-
-def raw_for(raw: list[dict], size: int, window: int) -> dict | None:
-    return next((r for r in raw if r["window"] == window
-                 and r["payload_bytes"] == size), None)
 
 
 # ---- the run ---------------------------------------------------------------------------------
@@ -614,75 +359,6 @@ def ratios_and_targets(res: dict) -> tuple[dict, dict]:
             "met": met(r.get("kv_vs_raw_nats"), TARGET_KV_VS_RAW, le=False)},
     }
     return r, t
-
-
-# ---- plot ------------------------------------------------------------------------------------
-def plot(res: dict, out: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(2, 2, figsize=(11, 8))
-    colors = {"pd": "tab:blue", "colocated": "tab:orange"}
-    for p, by_c in res["runs"].items():
-        cs = sorted(by_c, key=int)
-        xs = [int(c) for c in cs]
-
-        def ys(f):
-            return [f(by_c[c]) for c in cs]
-
-        def ms(x):
-            return None if x is None else x * 1e3
-        col = colors.get(p)
-        ax[0, 0].plot(xs, ys(lambda r: ms(r["ttft_s"]["p50"])), "o-", c=col, label=f"{p} p50")
-        ax[0, 0].plot(xs, ys(lambda r: ms(r["ttft_s"]["p90"])), "o--", c=col, alpha=.5,
-                      label=f"{p} p90")
-        ax[0, 1].plot(xs, ys(lambda r: ms(r["itl_s"]["mean"])), "o-", c=col, label=f"{p} mean")
-        ax[0, 1].plot(xs, ys(lambda r: ms(r["itl_s"]["p90"])), "o--", c=col, alpha=.5,
-                      label=f"{p} p90")
-        ax[1, 0].plot(xs, ys(lambda r: r["tokens_per_s"]), "o-", c=col, label=p)
-        lr = res["long"].get(p)
-        if lr and lr["ttft_s"]["p50"] is not None:
-            ax[0, 0].plot([1], [lr["ttft_s"]["p50"] * 1e3], "s", c=col, mfc="none", ms=9,
-                          label=f"{p} long prompt p50")
-    levels = sorted({int(c) for by_c in res["runs"].values() for c in by_c})
-    for a, title, yl in ((ax[0, 0], "TTFT", "ms"), (ax[0, 1], "inter-token latency", "ms"),
-                         (ax[1, 0], "output tokens/s", "tokens/s")):
-        a.set_xscale("log", base=2)
-        a.set_xticks(levels, [str(c) for c in levels])
-        a.minorticks_off()
-        a.set_xlabel("concurrency")
-        a.set_title(title)
-        a.set_ylabel(yl)
-        a.legend(fontsize=7)
-        a.grid(alpha=.3)
-    kv = res["kv"]
-    groups = [ph for ph in ("all", "short", "long") if kv.get(ph)]
-    series = (("bytes_per_s", "mesh (prefill kv_bytes / kv_transfer_s)", "tab:blue"),
-              ("raw_bytes_per_s", f"raw NATS, window {kv['window']}", "tab:gray"),
-              ("raw_window1_bytes_per_s", "raw NATS, window 1", "silver"))
-    for j, (key, name, col) in enumerate(series):
-        xs = [i + (j - 1) * 0.27 for i in range(len(groups))]
-        vals = [(kv[ph].get(key) or 0) / 1e6 for ph in groups]
-        bars = ax[1, 1].bar(xs, vals, 0.27, color=col, label=name)
-        ax[1, 1].bar_label(bars, fmt="%.0f", fontsize=7)
-    ax[1, 1].set_xticks(range(len(groups)),
-                        [f"{ph} PD runs\n{kv[ph]['mean_write_bytes'] / 1024:.0f} KiB/write"
-                         for ph in groups])
-    ax[1, 1].legend(fontsize=7)
-    ax[1, 1].set_ylabel("MB/s")
-    ax[1, 1].set_title("KV transfer vs raw NATS (same payload sizes)")
-    r = res["ratios"]
-
-    def f(x):
-        return "-" if x is None else f"{x:.2f}"
-    fig.suptitle(f"pdmesh {res['model']}: PD/colocated at c=1: TTFT "
-                 f"{f(r.get('pd_vs_colocated_ttft_c1'))}x, ITL "
-                 f"{f(r.get('pd_vs_colocated_itl_c1'))}x; KV transfer / raw NATS "
-                 f"{f(r.get('kv_vs_raw_nats'))}")
-    fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
 
 
 # ---- entry -----------------------------------------------------------------------------------
