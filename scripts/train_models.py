@@ -11,7 +11,7 @@ ChatML/Hermes chat template with tools. Phases, in order:
                trained on alpha * KL(target || draft) + (1 - alpha) * cross-entropy
     eval       held-out losses, greedy samples, draft/target greedy agreement; README.md + eval.json
 
-    .venv/bin/python scripts/train_models.py            # full run, about 25 min on one thread
+    .venv/bin/python scripts/train_models.py            # full run, ~20-26 min on one busy CPU thread
     .venv/bin/python scripts/train_models.py --smoke    # seconds, into a temp dir
 """
 
