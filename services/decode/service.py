@@ -34,6 +34,7 @@ from shared.engine.engine import LLMEngine
 from shared.engine.grammar import ReplayError
 from shared.engine.kv_transfer import unpack_into
 from shared.engine.output import RequestOutput
+from shared.engine_loop import run_engine_loop
 from shared.jobqueue import ensure_stream
 from shared.service import ServiceError, ServiceRuntime, decode_reply, new_instance_id
 
@@ -265,24 +266,18 @@ class DecodeService:
 
     # ---- engine loop ------------------------------------------------------------------
     async def engine_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            if not self.engine.has_unfinished:
-                self.wake.clear()
-                await self.wake.wait()
-                continue
-            try:
-                outs = await loop.run_in_executor(self.executor, self.engine.step)
-            except Exception:  # noqa: BLE001 - fail the batch, keep serving
-                log.exception("engine step failed")
-                for rid in list(self.tracked):
-                    if self.life.state(rid) is State.RUNNING:
-                        await self.fail(rid, ErrorCode.INTERNAL, "engine step failed",
-                                        reason="engine_error")
-                continue
-            for o in outs:
-                await self.publish(o)
-            await asyncio.sleep(0)
+        await run_engine_loop(self.engine, self.executor, self.wake, self.publish_all,
+                              self.on_step_failure)
+
+    async def publish_all(self, outs: list[RequestOutput]) -> None:
+        for o in outs:
+            await self.publish(o)
+
+    async def on_step_failure(self, _e: Exception) -> None:
+        for rid in list(self.tracked):
+            if self.life.state(rid) is State.RUNNING:
+                await self.fail(rid, ErrorCode.INTERNAL, "engine step failed",
+                                reason="engine_error")
 
     async def publish(self, o: RequestOutput) -> None:
         tr = self.tracked.get(o.request_id)

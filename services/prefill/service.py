@@ -32,6 +32,7 @@ from shared.contracts.messages import Heartbeat, PrefillDone, PrefillJob, Prefil
 from shared.contracts.reclaim import ClaimReply, PrefillClaim, Reclaim, ReclaimAck
 from shared.engine.engine import LLMEngine
 from shared.engine.output import RequestOutput
+from shared.engine_loop import run_engine_loop
 from shared.jobqueue import pull_subscription
 from shared.service import ServiceRuntime, decode_reply, new_instance_id
 
@@ -290,26 +291,21 @@ class PrefillService:
 
     # ---- engine loop ------------------------------------------------------------------
     async def engine_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            if not self.engine.has_unfinished:
-                self.wake.clear()
-                await self.wake.wait()
-                continue
-            try:
-                outs = await loop.run_in_executor(self.executor, self.engine.step)
-            except Exception as e:  # noqa: BLE001
-                log.exception("engine step failed")
-                for rid, fut in list(self.pending.items()):
-                    if not fut.done():
-                        fut.set_exception(RuntimeError(f"engine step failed: {e!r}"))
-                    self.engine.abort(rid)
-                self.pending.clear()
-                continue
-            for o in outs:
-                fut = self.pending.pop(o.request_id, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(o)
+        await run_engine_loop(self.engine, self.executor, self.wake, self.deliver,
+                              self.on_step_failure)
+
+    async def deliver(self, outs: list[RequestOutput]) -> None:
+        for o in outs:
+            fut = self.pending.pop(o.request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(o)
+
+    async def on_step_failure(self, e: Exception) -> None:
+        for rid, fut in list(self.pending.items()):
+            if not fut.done():
+                fut.set_exception(RuntimeError(f"engine step failed: {e!r}"))
+            self.engine.abort(rid)
+        self.pending.clear()
 
 
 def _deliveries(msg) -> int:
