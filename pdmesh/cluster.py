@@ -284,6 +284,8 @@ class Cluster:
         settings = {"nats_url": self.nats_url, "instance_id": iid} | self.settings[service]
         if service == "gateway":
             settings |= {"host": self.host, "port": self.port}
+        if service == "kvstore" and "disk_dir" not in settings:   # L3 files die with the run
+            settings |= {"disk_dir": str(self.tmp / f"kvstore-{index}")}
         argv = [sys.executable, "-m", f"services.{service}", *to_flags(_known(service, settings))]
         proc = Proc(name, service, argv, self._child_env(), instance_id=settings["instance_id"])
         self.procs[name] = proc

@@ -71,6 +71,22 @@ def kvstore_health() -> str:
     return _subject("kvstore", "health")
 
 
+def kvstore_lookup() -> str:                    # prefill -> kvstore: KvLookup -> KvLookupReply
+    return _subject("kvstore", "lookup")
+
+
+def kvstore_fetch() -> str:                     # prefill -> kvstore: KvFetch -> KvFetchReply
+    return _subject("kvstore", "fetch")
+
+
+def kvstore_layer(instance: str) -> str:        # prefill -> kvstore: KvLayerPull -> raw layer
+    return _subject("kvstore", "layer", instance)
+
+
+def kvstore_put() -> str:                       # prefill -> kvstore: raw blocks (KvPut headers)
+    return _subject("kvstore", "put")
+
+
 # ---- health endpoints (every service answers Health on its own) -----------------------
 def health(service: str, instance: str) -> str:
     return _subject(service, "health", instance)

@@ -54,7 +54,8 @@ def test_subjects_follow_the_rules():
             subjects.decode_prefill_done("d_1"), subjects.decode_claim("d_1"),
             subjects.prefill_jobs(),
             subjects.prefill_reclaim("p_1"), subjects.gateway_tokens("g_1"),
-            subjects.kvstore_health(), subjects.heartbeat("decode"),
+            subjects.kvstore_health(), subjects.kvstore_lookup(), subjects.kvstore_fetch(),
+            subjects.kvstore_layer("k_1"), subjects.kvstore_put(), subjects.heartbeat("decode"),
             subjects.request_event("aborted"), subjects.health("decode", "d_1")]
     for s in made:
         assert re.fullmatch(r"[a-z0-9_]+(\.[a-z0-9_]+){1,4}", s), s

@@ -33,6 +33,8 @@ class DecodeConfig:
                 "prefill does not answer the reclaim (the epoch fence covers what follows)"})
     reclaim_timeout_s: float = field(default=1.0, metadata={
         "help": "wait this long for a ReclaimAck, then ask again (until the lease ends)"})
+    prefix_cache: bool = field(default=True, metadata={
+        "help": "L1: reuse prompt blocks still in this instance's KV pool (PD: not sent again)"})
     # test-only fault injection (off by default)
     fault_drop_constraint_in_job: bool = field(default=False, metadata={
         "help": "TEST ONLY: send prefill jobs without their constraint"})
@@ -55,4 +57,5 @@ class DecodeConfig:
             num_blocks=self.num_blocks or None, kv_cache_bytes=self.kv_cache_mb << 20,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             chunk_size=self.chunk_size, deterministic=self.deterministic,
-            threads=self.threads or None, epoch_fence=not self.fault_no_epoch_fence)
+            threads=self.threads or None, epoch_fence=not self.fault_no_epoch_fence,
+            prefix_caching=self.prefix_cache)

@@ -54,6 +54,7 @@ class Tracked:
     path: Path
     submitted: float
     chunks: int = 0                                       # TokenChunks sent (their seq)
+    cached_tokens: int = 0                                # prefill's prefix-cache hit
 
 
 class DecodeService:
@@ -144,8 +145,8 @@ class DecodeService:
             self.engine.check_request(sub.prompt_ids, sub.params)
             path = self.choose_path(sub)
             if path is Path.PD:
-                blocks, epochs = self.engine.reserve_remote(rid, sub.prompt_ids, sub.params,
-                                                            sub.constraint)
+                blocks, epochs, skip = self.engine.reserve_remote(
+                    rid, sub.prompt_ids, sub.params, sub.constraint)
             else:
                 self.engine.add_request(rid, sub.prompt_ids, sub.params,
                                         constraint=sub.constraint)
@@ -159,7 +160,7 @@ class DecodeService:
         if path is Path.PD:
             self.life.admit_remote(rid, blocks, epochs)
             try:
-                await self.dispatch_prefill(sub, blocks, epochs)
+                await self.dispatch_prefill(sub, blocks, epochs, skip)
                 self.life.queued(rid)
             except Exception as e:  # noqa: BLE001 - fall back, never fail
                 log.info("%s: PD dispatch failed (%s); prefilling locally", rid, e)
@@ -180,13 +181,15 @@ class DecodeService:
             return Path.PD
         alive = any(time.monotonic() - t < self.cfg.prefill_dead_after_s
                     for t in self.prefill_seen.values())
-        if alive and len(sub.prompt_ids) >= self.cfg.min_pd_prompt_tokens:
+        uncached = len(sub.prompt_ids) - self.engine.cached_prefix_tokens(sub.prompt_ids)
+        if alive and uncached >= self.cfg.min_pd_prompt_tokens:
             return Path.PD
         return Path.COLOCATED
 
     async def dispatch_prefill(self, sub: DecodeSubmit, blocks: list[int],
-                               epochs: list[int]) -> None:
-        dest = KvDestination(instance_id=self.iid, block_ids=blocks, epochs=epochs)
+                               epochs: list[int], skip: int = 0) -> None:
+        dest = KvDestination(instance_id=self.iid, block_ids=blocks, epochs=epochs,
+                             skip_blocks=skip)
         job = make_prefill_job(sub, dest, self.cfg.model, self.cfg.block_size,
                                drop_constraint=self.cfg.fault_drop_constraint_in_job)
         await self.js.publish(subjects.prefill_jobs(), encode(job), timeout=5)
@@ -236,6 +239,8 @@ class DecodeService:
             self.fallback_local(rid, "prefill_failed")
         elif nxt is Next.START:
             self.life.start(rid)
+            if rid in self.tracked:
+                self.tracked[rid].cached_tokens = done.cached_tokens
             try:
                 out = self.engine.start_remote(rid, done.first_token, done.first_logprob,
                                                done.first_top_logprobs)
@@ -288,7 +293,8 @@ class DecodeService:
                            finish_reason=o.finish_reason, stop_reason=o.stop_reason,
                            prompt_tokens=o.num_prompt_tokens,
                            completion_tokens=o.num_output_tokens, path=tr.path,
-                           seq=tr.chunks)
+                           seq=tr.chunks,
+                           cached_tokens=max(o.num_cached_tokens, tr.cached_tokens))
         tr.chunks += 1
         if o.finished:
             self.tracked.pop(o.request_id, None)

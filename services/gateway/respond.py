@@ -41,6 +41,7 @@ class Answer:
         self.prompt_tokens = len(prep.prompt_ids)
         self.counted = 0            # tokens received
         self.reported = 0           # decode's cumulative count, when it sends one
+        self.cached_tokens = 0      # prompt tokens served from a prefix cache
         self.finish_reason: str | None = None
         self.chat_lp: list[dict] = []
         self.cmpl_lp: dict | None = None
@@ -62,6 +63,7 @@ class Answer:
         self.reported = max(self.reported, chunk.completion_tokens)
         if chunk.prompt_tokens:
             self.prompt_tokens = chunk.prompt_tokens
+        self.cached_tokens = max(self.cached_tokens, chunk.cached_tokens)
         if chunk.finished:
             self.finish_reason = chunk.finish_reason
         self.parts.append(chunk.text)
@@ -92,7 +94,7 @@ class Answer:
 
     @property
     def usage(self) -> dict:
-        return P.usage(self.prompt_tokens, self.reported or self.counted)
+        return P.usage(self.prompt_tokens, self.reported or self.counted, self.cached_tokens)
 
     def all_logprobs(self) -> dict | None:
         if not self.prep.options.logprobs:

@@ -1,48 +1,68 @@
-"""Kvstore service: the NATS face of the hierarchical KV cache (HiCache).
+"""Kvstore service: the NATS face of the tiered KV cache (HiCache L2 host memory, L3 disk).
 
-For now it only runs: it registers with nats.micro, answers health (its own instance
-subject and the shared `pdmesh.kvstore.health` work subject), reports stats and beats.
-The cache itself (tiers engine memory -> host -> disk, prefix index, layer-wise loads)
-belongs in a core module that does no I/O; this service will hold one and expose its
-verbs as endpoints. The seam is `Store`: anything with `stats()` in the shape below.
+Verbs (shared/contracts/kvcache.py):
+  lookup  how many leading prefix keys are cached (index only, no disk read)
+  fetch   open a load: read and verify the blocks (an L3 hit is promoted to L2; a corrupt
+          file is dropped and ends the prefix there); reply how many are available
+  layer   one layer of a range of the load's blocks, raw, with per-block crc32s; the
+          loader pulls layer 0 first, so compute can start while later layers travel
+  put     write-back of complete blocks; each layer's crc32 is checked before the block
+          is indexed, so a torn or corrupted write never becomes a hit
+The store (tiers.py) does no I/O of its own beyond its files; every call to it runs on
+one worker thread, so disk reads never stall the event loop and the store stays
+single-threaded. One kvstore per mesh: lookups and fetches use a queue group, layer
+pulls go to the instance that opened the load.
 """
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import time
-from typing import Protocol
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 from shared import subjects
-from shared.contracts.common import encode
+from shared.contracts.common import Codec, ContractError, encode
+from shared.contracts.kvcache import (KvFetch, KvFetchReply, KvLayerPull, KvLookup,
+                                      KvLookupReply, KvPut, KvPutAck)
 from shared.contracts.messages import Health, Heartbeat
-from shared.service import ServiceRuntime, new_instance_id
+from shared.service import ServiceRuntime, ServiceError, new_instance_id
+from shared.contracts.common import ErrorCode
 
 from .config import KvstoreConfig
+from .tiers import BlockData, DiskTier, MemoryTier, TieredStore, layer_checksum
 
 log = logging.getLogger("pdmesh.kvstore")
-
-TIERS = ("host", "disk")
-
-
-class Store(Protocol):
-    def stats(self) -> dict:
-        """{"entries": int, "bytes": int, "tiers": {tier: {"entries": int, "bytes": int}}}"""
+LAYER = Codec(KvLayerPull)
 
 
-class EmptyStore:
-    """Placeholder until the tiered store lands: holds nothing."""
+def _keys(hexes: list[str]) -> list[bytes]:
+    try:
+        return [bytes.fromhex(h) for h in hexes]
+    except ValueError as e:
+        raise ContractError(f"bad prefix key: {e}") from e
 
-    def stats(self) -> dict:
-        return {"entries": 0, "bytes": 0,
-                "tiers": {t: {"entries": 0, "bytes": 0} for t in TIERS}}
+
+def make_store(cfg: KvstoreConfig) -> TieredStore:
+    l3 = DiskTier(cfg.disk_dir, cfg.disk_cache_mb << 20) if cfg.disk_cache_mb else None
+    return TieredStore(MemoryTier(cfg.host_cache_mb << 20), l3, cfg.write_through_l3)
 
 
 class KvstoreService:
-    def __init__(self, cfg: KvstoreConfig, store: Store | None = None):
+    def __init__(self, cfg: KvstoreConfig, store: TieredStore | None = None):
         self.cfg = cfg
         self.iid = cfg.instance_id or new_instance_id("kvstore")
-        self.store = store or EmptyStore()
+        self.store = store or make_store(cfg)
         self.rt = ServiceRuntime("kvstore", self.iid, cfg.nats_url, stats=self.stats)
+        self.io = ThreadPoolExecutor(1, thread_name_prefix="store")
+        self.loads: dict[str, tuple[float, list[BlockData]]] = {}
+        self.counters = {"lookups": 0, "lookup_keys": 0, "lookup_hits": 0, "fetches": 0,
+                         "blocks_served": 0, "layer_pulls": 0, "puts": 0, "blocks_stored": 0,
+                         "blocks_rejected": 0, "loads_expired": 0}
+
+    async def _store(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.io, fn, *args)
 
     # ---- lifecycle --------------------------------------------------------------------
     async def start(self) -> None:
@@ -50,7 +70,17 @@ class KvstoreService:
         # any kvstore instance answers here (queue group): "is a kvstore up at all?"
         await self.rt.endpoint("health_any", subjects.kvstore_health(), self.on_health, None,
                                queue_group="kvstore")
-        log.info("kvstore %s ready", self.iid)
+        await self.rt.endpoint("lookup", subjects.kvstore_lookup(), self.on_lookup,
+                               Codec(KvLookup), queue_group="kvstore")
+        await self.rt.endpoint("fetch", subjects.kvstore_fetch(), self.on_fetch,
+                               Codec(KvFetch), queue_group="kvstore")
+        await self.rt.endpoint("layer", subjects.kvstore_layer(self.iid), self.on_layer, None,
+                               raw=True)
+        await self.rt.endpoint("put", subjects.kvstore_put(), self.on_put, None, raw=True,
+                               queue_group="kvstore")
+        self.rt.spawn(self.expire_loads())
+        log.info("kvstore %s ready (L2 %d MiB, L3 %d MiB in %s)", self.iid, self.cfg.host_cache_mb,
+                 self.cfg.disk_cache_mb, self.cfg.disk_dir)
 
     async def serve(self) -> None:
         await self.start()
@@ -58,14 +88,92 @@ class KvstoreService:
             await self.rt.run(heartbeat=self.heartbeat)
         finally:
             await self.rt.close()
+            self.io.shutdown(wait=True)
 
     # ---- handlers ---------------------------------------------------------------------
     async def on_health(self, _req) -> bytes:
         return encode(Health(service="kvstore", instance_id=self.iid,
                              ok=not self.rt.stopping.is_set()))
 
+    async def on_lookup(self, q: KvLookup) -> bytes:
+        keys = _keys(q.keys)
+        hits = await self._store(self.store.longest_prefix, keys)
+        self.counters["lookups"] += 1
+        self.counters["lookup_keys"] += len(keys)
+        self.counters["lookup_hits"] += hits
+        return encode(KvLookupReply(hits=hits))
+
+    async def on_fetch(self, q: KvFetch) -> bytes:
+        blocks = await self._store(self.store.fetch_prefix, _keys(q.keys))
+        self.counters["fetches"] += 1
+        load_id = uuid.uuid4().hex[:16]
+        if blocks:
+            self.loads[load_id] = (time.monotonic(), blocks)
+        first = blocks[0] if blocks else None
+        return encode(KvFetchReply(load_id=load_id, instance_id=self.iid, blocks=len(blocks),
+                                   layer_bytes=len(first.layers[0]) if first else 0,
+                                   num_layers=len(first.layers) if first else 0))
+
+    async def on_layer(self, req) -> None:
+        p = LAYER.decode(req.data)
+        entry = self.loads.get(p.load_id)
+        if entry is None:
+            raise ServiceError(ErrorCode.NOT_FOUND, f"no open load {p.load_id}")
+        blocks = entry[1]
+        if not (0 <= p.b0 < p.b1 <= len(blocks)) or not 0 <= p.layer < len(blocks[0].layers):
+            raise ServiceError(ErrorCode.INVALID_REQUEST, "layer or block range out of bounds")
+        part = blocks[p.b0:p.b1]
+        payload = b"".join(b.layers[p.layer] for b in part)
+        sums = [b.checksums[p.layer] for b in part]
+        self.counters["layer_pulls"] += 1
+        if p.last:
+            self.loads.pop(p.load_id, None)
+            self.counters["blocks_served"] += len(blocks)
+        await req.respond(payload, headers={"Pdmesh-checksums": json.dumps(sums)})
+        return None
+
+    async def on_put(self, req) -> bytes:
+        meta = KvPut.from_headers(req.headers)
+        keys = _keys(meta.keys)
+        L, lb = meta.num_layers, meta.layer_bytes
+        data = req.data
+        if len(meta.checksums) != len(keys) or len(data) != len(keys) * L * lb:
+            raise ContractError(f"KV put: {len(data)} bytes for {len(keys)} blocks x {L} "
+                                f"layers x {lb} bytes")
+        good = []
+        for i, k in enumerate(keys):
+            layers = tuple(bytes(data[(i * L + l) * lb:(i * L + l + 1) * lb]) for l in range(L))
+            sums = tuple(meta.checksums[i])
+            if len(sums) == L and all(layer_checksum(x) == c for x, c in zip(layers, sums)):
+                good.append((k, BlockData(layers, sums)))
+        await self._store(self._put_all, good)
+        rejected = len(keys) - len(good)
+        self.counters["puts"] += 1
+        self.counters["blocks_stored"] += len(good)
+        self.counters["blocks_rejected"] += rejected
+        if rejected:
+            log.warning("KV put: %d of %d blocks failed their checksum; not indexed",
+                        rejected, len(keys))
+        return encode(KvPutAck(stored=len(good), rejected=rejected))
+
+    def _put_all(self, items) -> None:
+        for k, d in items:
+            self.store.put(k, d)
+
+    async def expire_loads(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for lid, (t, _) in list(self.loads.items()):
+                if now - t > self.cfg.load_ttl_s:
+                    del self.loads[lid]
+                    self.counters["loads_expired"] += 1
+
     def stats(self) -> dict:
-        return self.store.stats()
+        st = self.store.stats() | self.counters | {"open_loads": len(self.loads)}
+        st["prefix_hit_rate"] = (round(self.counters["lookup_hits"] / self.counters["lookup_keys"], 4)
+                                 if self.counters["lookup_keys"] else 0.0)
+        return st
 
     def heartbeat(self) -> Heartbeat:
         return Heartbeat(service="kvstore", instance_id=self.iid, ts=time.time())

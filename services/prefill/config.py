@@ -30,7 +30,16 @@ class PrefillConfig:
         "help": "wait this long for decode to grant a job's blocks, else drop the job"})
     kv_max_write_bytes: int = field(default=0, metadata={
         "help": "largest KV write payload (0: the NATS server's max_payload)"})
+    prefix_cache: bool = field(default=True, metadata={
+        "help": "L1: reuse prompt blocks still in this worker's KV pool"})
+    kvstore: bool = field(default=True, metadata={
+        "help": "use kvstore (L2 host memory, L3 disk): prefix loads and write-back"})
+    kvstore_timeout_s: float = 2.0
     # test-only fault injection (off by default)
+    fault_load_delay_s: float = field(default=0.0, metadata={
+        "help": "TEST ONLY: each layer loaded from kvstore lands a random 0..this late"})
+    fault_no_load_guard: bool = field(default=False, metadata={
+        "help": "TEST ONLY: compute reads a loading layer without waiting for it"})
     fault_delay_before_kv_s: float = field(default=0.0, metadata={
         "help": "TEST ONLY: sleep this long between computing a job and sending its KV"})
     fault_kv_write_delay_s: float = field(default=0.0, metadata={
@@ -46,4 +55,5 @@ class PrefillConfig:
             num_blocks=self.num_blocks or None, kv_cache_bytes=self.kv_cache_mb << 20,
             max_num_seqs=self.max_jobs, max_num_batched_tokens=self.max_num_batched_tokens,
             chunk_size=self.chunk_size, deterministic=self.deterministic,
-            threads=self.threads or None)
+            threads=self.threads or None, prefix_caching=self.prefix_cache,
+            load_guard=not self.fault_no_load_guard)

@@ -53,7 +53,8 @@ class KvSender:
         """Write every prompt block; returns (writes issued, bytes). Raises Reclaimed if a
         Reclaim stopped the attempt, RuntimeError if a write failed or was refused;
         in every case only once no write of the attempt is in flight."""
-        src = engine.kept_blocks(local_id)[:len(job.dest.block_ids)]
+        skip = job.dest.skip_blocks
+        src = engine.kept_blocks(local_id)[skip:skip + len(job.dest.block_ids)]
         if len(src) != len(job.dest.block_ids):
             raise RuntimeError(f"prefill holds {len(src)} blocks, job wants {len(job.dest.block_ids)}")
         max_bytes = self.nc.max_payload - HEADER_ROOM

@@ -4,12 +4,15 @@ Life cycle of a job:
   pull from the JetStream work queue -> check tokenizer fingerprint and block size ->
   open a write-ledger attempt and claim the job's blocks from decode (PrefillClaim;
   refused when the request was aborted meanwhile: the job is acked, nothing computed) ->
-  compute the prompt (continuous batching with other jobs) and sample the first token
+  look the prompt's prefix up in L1 (this worker's pool) and kvstore (L2/L3); load a
+  kvstore hit layer by layer while computing the rest (compute on a layer waits for its
+  load) -> compute the prompt (continuous batching with other jobs) and sample the first token
   with the job's sampling params -> stream the prompt's KV blocks to the decode instance
-  as KV writes, at most `kv_window` unacknowledged at a time (decode's ack is the credit,
+  as KV writes (past the blocks decode already caches), at most `kv_window` unacknowledged at a time (decode's ack is the credit,
   so a fast sender can never make nats-server drop decode as a slow consumer), each one
   only while the ledger says the attempt may write -> PrefillDone (first token, writes
-  issued; FAILED with the count when something failed) -> ack the job.
+  issued; FAILED with the count when something failed) -> ack the job; the prompt's new
+  whole blocks go to kvstore in the background (write-back never delays a token).
 A Reclaim from decode cancels the attempt: no write starts after it, and the ReclaimAck
 (with the count of writes issued) goes back once every write in flight has completed.
 A worker that dies before the ack leaves the job to be redelivered to another worker,
@@ -34,6 +37,7 @@ from shared.engine.engine import LLMEngine
 from shared.engine.output import RequestOutput
 from shared.engine_loop import run_engine_loop
 from shared.jobqueue import pull_subscription
+from shared.kvstore_client import KvstoreClient
 from shared.service import ServiceRuntime, decode_reply, new_instance_id
 
 from .config import PrefillConfig
@@ -72,6 +76,8 @@ class PrefillService:
         self.js = self.rt.nc.jetstream()
         self.psub = await pull_subscription(self.js, self.cfg.ack_wait_s, self.cfg.max_deliver,
                                             self.cfg.max_jobs)
+        self.kvc = KvstoreClient(self.rt.nc, self.cfg.kvstore_timeout_s,
+                                 fault_load_delay_s=self.cfg.fault_load_delay_s)
         self.sender = KvSender(self.rt.nc, self.iid, self.cfg.kv_window, self.cfg.kv_ack_timeout_s,
                                self.ledger, self.cfg.kv_max_write_bytes,
                                self.cfg.fault_kv_write_delay_s)
@@ -106,8 +112,10 @@ class PrefillService:
                          blocks_used=st["blocks_used"], ts=time.time())
 
     def stats(self) -> dict:
+        kvc = self.kvc.counters if hasattr(self, "kvc") else {}
         return (self.engine.stats() | {"jobs_active": self.active, "kv_window": self.cfg.kv_window}
-                | self.counters | self.ledger.stats())
+                | self.counters | self.ledger.stats() | kvc
+                | {"last_load": self.engine.last_load})
 
     # ---- jobs -------------------------------------------------------------------------
     async def fetch_loop(self) -> None:
@@ -172,7 +180,7 @@ class PrefillService:
         local_id = f"{job.request_id}/{attempt[:8]}"
         t0 = time.monotonic()
         try:
-            out = await self.compute(local_id, job)
+            out, tier = await self.compute(local_id, job)
             compute_s = time.monotonic() - t0
             if self.cfg.fault_delay_before_kv_s:
                 await asyncio.sleep(self.cfg.fault_delay_before_kv_s)
@@ -185,12 +193,14 @@ class PrefillService:
             self.counters["kv_bytes"] += nbytes
             self.counters["kv_transfer_s"] += transfer_s
             self.counters["kv_max_write_bytes"] = self.sender.max_write_bytes
+            self.write_back(local_id, job, tier)
             lp = out.logprobs[0] if out.logprobs else (None, None, None)
             return PrefillDone(request_id=job.request_id, status=PrefillStatus.OK,
                                prefill_instance=self.iid, first_token=out.new_token_ids[0],
                                first_logprob=lp[1], first_top_logprobs=lp[2],
                                writes_issued=writes, bytes_sent=nbytes, compute_s=compute_s,
-                               transfer_s=transfer_s, attempt=attempt)
+                               transfer_s=transfer_s, attempt=attempt,
+                               cached_tokens=out.num_cached_tokens)
         except Reclaimed as e:
             log.debug("%s", e)
             self.counters["jobs_reclaimed"] += 1
@@ -262,13 +272,27 @@ class PrefillService:
             return ErrorCode.INVALID_REQUEST, str(e)
         return None
 
-    async def compute(self, local_id: str, job: PrefillJob) -> RequestOutput:
+    async def compute(self, local_id: str, job: PrefillJob) -> tuple[RequestOutput, int]:
+        """The first token, and how many leading prompt blocks kvstore already holds."""
+        tier = 0
+        if self.cfg.kvstore:
+            tier = await self.kvc.lookup(self.engine.prefix_keys(job.prompt_ids))
         fut = asyncio.get_running_loop().create_future()
         self.pending[local_id] = fut
-        self.engine.add_request(local_id, job.prompt_ids, job.params, prefill_only=True,
-                                constraint=job.constraint)
+        load = self.engine.add_request(local_id, job.prompt_ids, job.params, prefill_only=True,
+                                       constraint=job.constraint, tier_blocks=tier)
+        if load is not None:
+            self.rt.spawn(self.kvc.load(self.engine, load))
         self.wake.set()
-        return await fut
+        return await fut, tier
+
+    def write_back(self, local_id: str, job: PrefillJob, tier: int) -> None:
+        """Send the prompt's whole blocks kvstore lacks (it holds the first `tier`)."""
+        if not self.cfg.kvstore:
+            return
+        keys = self.engine.prefix_keys(job.prompt_ids)
+        blocks = self.engine.kept_blocks(local_id)[:len(keys)]
+        self.kvc.write_back(self.engine, blocks[tier:], keys[tier:])
 
     async def finish(self, job: PrefillJob, msg, done: PrefillDone) -> None:
         ok = done.status is PrefillStatus.OK

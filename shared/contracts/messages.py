@@ -37,10 +37,13 @@ class SubmitAck(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class KvDestination(msgspec.Struct, frozen=True, kw_only=True):
-    """Where prefill writes: decode instance, its blocks, and each block's epoch."""
+    """Where prefill writes: decode instance, its blocks, and each block's epoch.
+    skip_blocks: leading prompt blocks decode already holds (its prefix cache); block_ids
+    receive the prompt's blocks from there on."""
     instance_id: str
     block_ids: list[int]
     epochs: list[int]
+    skip_blocks: int = 0
 
 
 class PrefillJob(msgspec.Struct, frozen=True, kw_only=True):
@@ -79,6 +82,7 @@ class PrefillDone(msgspec.Struct, frozen=True, kw_only=True):
     transfer_s: float = 0.0
     error: ErrorReply | None = None
     attempt: str = ""                 # PrefillClaim.attempt
+    cached_tokens: int = 0            # prompt tokens served from a prefix cache (not computed)
 
 
 class TokenChunk(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -96,6 +100,7 @@ class TokenChunk(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     path: Path | None = None
     error: ErrorReply | None = None
     seq: int = 0                      # per request, from 0: a gap means a lost chunk
+    cached_tokens: int = 0            # prompt tokens served from a prefix cache
 
 
 class Abort(msgspec.Struct, frozen=True, kw_only=True):

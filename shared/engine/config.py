@@ -22,6 +22,9 @@ class EngineConfig:
     max_model_len: int | None = None     # default: the model's max_position_embeddings
     threads: int | None = None           # torch intra-op threads
     epoch_fence: bool = True             # False: TEST ONLY, remote KV writes land unchecked
+    prefix_caching: bool = True          # L1: reuse whole prompt blocks already in the pool
+    load_guard: bool = True              # False: TEST ONLY, compute reads loading layers unchecked
+    load_timeout_s: float = 30.0         # a layer load slower than this fails (recomputed)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

@@ -15,6 +15,13 @@ joins the sequence to the batch with its first token. An aborted (or locally re-
 request whose blocks may still be written can leave them quarantined: out of the pool,
 never handed out, until release_quarantined() once no write can land any more.
 
+Prefix cache (L1): whole prompt blocks are indexed by a chained key of their tokens
+(prefix.py); a request takes the longest cached prefix and computes only the rest. A
+longer prefix found in a lower tier (kvstore) is loaded layer by layer into fresh blocks
+while the rest computes; compute on layer i waits until layer i has landed
+(layer_load.py). In deterministic mode only prefixes whose KV is bit-identical however
+the prompt is split are shared: whole chunks (multiples of chunk_size).
+
 Threading: step() may run in a worker thread while the service's event loop adds,
 aborts and applies KV writes. Bookkeeping happens under `lock`; the forward pass runs
 without it. An abort that arrives during a forward is applied right after it, so a
@@ -29,13 +36,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .block_pool import BlockPool
+from .block_pool import BlockPool, NoFreeBlocks
 from .config import EngineConfig
+from .layer_load import LayerLoad, LoadFailed
 from .loader import load_config, load_weights
 from .model import BatchMeta, Model, SeqSpan
 from .output import OutputProcessor, RequestOutput
+from .prefix import block_keys, prefix_salt
 from .sampling import SampleInput, sample
-from .scheduler import Scheduled, Scheduler
+from .scheduler import Scheduled, Scheduler, cancel_load
 from .sequence import Sequence
 
 
@@ -79,6 +88,11 @@ class LLMEngine:
         self._inflight: set[str] = set()
         self._deferred_aborts: set[str] = set()
         self._grammar = None
+        fp = self.tokenizer.fingerprint if self.tokenizer is not None else ""
+        self.cache_salt = prefix_salt(str(mc), fp, cfg.dtype, str(cfg.block_size))
+        self.counters = {"prefix_hit_tokens": 0, "prompt_tokens": 0, "loads": 0,
+                         "load_failures": 0, "loaded_blocks": 0}
+        self.last_load: dict = {}       # timeline of the latest completed layer-wise load
 
     @property
     def grammar(self):
@@ -130,11 +144,106 @@ class LLMEngine:
         return seq
 
     def add_request(self, request_id: str, prompt_ids: list[int], params,
-                    prefill_only: bool = False, constraint=None) -> None:
+                    prefill_only: bool = False, constraint=None,
+                    tier_blocks: int = 0) -> LayerLoad | None:
+        """tier_blocks: how many leading blocks of prefix_keys(prompt) a lower tier holds.
+        Returns the LayerLoad the caller must fill (blocks beyond the L1 hit), or None."""
         with self.lock:
             seq = self._new_seq(request_id, prompt_ids, params, constraint)
             seq.stop_after_prefill = prefill_only
+            load = self._attach_prefix(seq, tier_blocks)
             self.scheduler.add(seq)
+            return load
+
+    # ---- prefix cache -----------------------------------------------------------------
+    def prefix_keys(self, prompt_ids: list[int]) -> list[bytes]:
+        """Keys of the prompt's blocks that may be shared (with L1 or a lower tier)."""
+        bs, C, n = self.cfg.block_size, self.cfg.chunk_size, len(prompt_ids)
+        if self.cfg.deterministic:   # only whole chunks: their KV does not depend on the split
+            nb = 0 if C % bs else (n // C) * C // bs
+        else:
+            nb = n // bs
+        return block_keys(prompt_ids, bs, self.cache_salt, nb)
+
+    def cached_prefix_tokens(self, prompt_ids: list[int]) -> int:
+        """Prompt tokens an L1 hit would serve right now (a peek: nothing is taken)."""
+        with self.lock:
+            if not self.cfg.prefix_caching:
+                return 0
+            keys = self.prefix_keys(prompt_ids)
+            return self._usable(len(self.pool.match(keys)), len(prompt_ids)) * self.cfg.block_size
+
+    def _usable(self, nblocks: int, prompt_len: int) -> int:
+        """A hit leaves at least one prompt token to compute (its logits are sampled) and,
+        in deterministic mode, ends on a chunk boundary."""
+        bs = self.cfg.block_size
+        nblocks = min(nblocks, (prompt_len - 1) // bs)
+        if self.cfg.deterministic:
+            nblocks -= nblocks % (self.cfg.chunk_size // bs)
+        return max(0, nblocks)
+
+    def _attach_prefix(self, seq: Sequence, tier_blocks: int = 0) -> LayerLoad | None:
+        """Give a new sequence its cached prefix: L1 blocks (referenced), plus fresh blocks
+        for a lower tier's longer prefix, to be filled by the returned LayerLoad."""
+        seq.block_table, seq.num_registered = [], 0
+        seq.num_computed = seq.num_l1 = seq.num_cached = 0
+        seq.keys = self.prefix_keys(seq.prompt_ids)
+        self.counters["prompt_tokens"] += len(seq.prompt_ids)
+        if not seq.keys:
+            return None
+        bs = self.cfg.block_size
+        l1 = self.pool.match(seq.keys) if self.cfg.prefix_caching else []
+        total = self._usable(max(len(l1), tier_blocks), len(seq.prompt_ids))
+        l1 = l1[:total]
+        if total > len(l1):       # a load starts where L1 ends: keep that on a chunk boundary
+            l1 = l1[:self._usable(len(l1), len(seq.prompt_ids))]
+        self.pool.take(l1, queried=len(seq.keys))
+        seq.block_table = list(l1)
+        load = None
+        if total > len(l1):
+            try:
+                fresh = self.pool.allocate(total - len(l1))
+            except NoFreeBlocks:
+                total = len(l1)
+            else:
+                seq.block_table += fresh
+                load = LayerLoad(seq.request_id, self.model_cfg.num_layers, fresh,
+                                 seq.keys[len(l1):total], len(l1))
+                seq.load = load
+                self.counters["loads"] += 1
+        seq.num_registered = len(l1)
+        seq.num_l1 = len(l1) * bs
+        seq.num_computed = seq.num_cached = total * bs
+        self.counters["prefix_hit_tokens"] += seq.num_cached
+        return load
+
+    def _register(self, seq: Sequence) -> None:
+        """Index the sequence's whole prompt blocks whose KV is now complete."""
+        limit = len(seq.keys)
+        if seq.load is not None:
+            if seq.load.complete:
+                self.counters["loaded_blocks"] += len(seq.load.blocks)
+                self.last_load = seq.load.timeline()
+                seq.load = None
+            else:
+                limit = seq.load.first_block    # loaded blocks count once all layers landed
+        if not self.cfg.prefix_caching:
+            return
+        upto = min(limit, seq.num_computed // self.cfg.block_size)
+        while seq.num_registered < upto:
+            i = seq.num_registered
+            self.pool.register(seq.block_table[i], seq.keys[i])
+            seq.num_registered += 1
+
+    def write_loaded_layer(self, load: LayerLoad, layer: int, data: torch.Tensor, b0: int = 0) -> bool:
+        """Copy data [2, n, block_size, Hkv, D] into layer `layer` of the load's blocks
+        b0..b0+n (the loader's side). False once the request went away: nothing written."""
+        with self.lock:
+            if load.cancelled:
+                return False
+            ids = torch.tensor(load.blocks[b0:b0 + data.shape[1]], dtype=torch.long)
+            self.kv[layer, :, ids] = data
+            return True
 
     def abort(self, request_id: str, quarantine: bool = False) -> bool:
         """Stop a request and free its blocks (after the current forward if it is in
@@ -152,6 +261,7 @@ class LLMEngine:
 
     def _finish_abort(self, seq: Sequence, quarantine: bool = False) -> None:
         self.requests.pop(seq.request_id, None)
+        cancel_load(seq)
         if self.remote.pop(seq.request_id, None) is not None:
             self._drop_blocks(seq, quarantine)
             return
@@ -177,24 +287,28 @@ class LLMEngine:
 
     # ---- remote prefill (decode side) ------------------------------------------------
     def reserve_remote(self, request_id: str, prompt_ids: list[int], params,
-                       constraint=None) -> tuple[list[int], list[int]]:
-        """Allocate blocks for a prompt another process prefills. Returns the blocks that
-        will hold the prompt and their epochs. Raises NoFreeBlocks when short."""
+                       constraint=None) -> tuple[list[int], list[int], int]:
+        """Allocate blocks for a prompt another process prefills. The prompt's prefix
+        already cached here (L1) is not written again. Returns (blocks the writer fills,
+        their epochs, number of leading prompt blocks skipped because cached).
+        Raises NoFreeBlocks when short."""
         with self.lock:
             if len(self.scheduler.running) + len(self.remote) >= self.cfg.max_num_seqs * 4:
-                from .block_pool import NoFreeBlocks
                 raise NoFreeBlocks("too many requests awaiting KV")
             n = len(prompt_ids) + (params.max_tokens if self.cfg.deterministic else 0)
-            need = self.pool.blocks_for(max(n, len(prompt_ids)))
             seq = self._new_seq(request_id, prompt_ids, params, constraint)
+            self._attach_prefix(seq)
+            need = self.pool.blocks_for(max(n, len(prompt_ids))) - len(seq.block_table)
             try:
-                seq.block_table = self.pool.allocate(need)
+                seq.block_table += self.pool.allocate(need)
             except Exception:
                 del self.requests[request_id]
+                self.pool.free(seq.block_table)
                 raise
             self.remote[request_id] = seq
-            dest = seq.block_table[:self.pool.blocks_for(len(prompt_ids))]
-            return dest, [self.pool.epoch[b] for b in dest]
+            skip = seq.num_l1 // self.cfg.block_size
+            dest = seq.block_table[skip:self.pool.blocks_for(len(prompt_ids))]
+            return dest, [self.pool.epoch[b] for b in dest], skip
 
     def accept_kv(self, block_ids: list[int], epochs: list[int]) -> bool:
         """Whether a KV write may land: every block is still in the epoch the write was
@@ -226,6 +340,7 @@ class LLMEngine:
             seq = self.remote.pop(request_id)
             self.pool.restamp(seq.block_table)   # no write may land from now on
             seq.num_computed = len(seq.prompt_ids)
+            self._register(seq)
             self.scheduler.add_running(seq)
             return self.append_token(seq, first_token, SampleOutput(first_token, logprob, top_logprobs))
 
@@ -235,6 +350,7 @@ class LLMEngine:
         with self.lock:
             seq = self.remote.pop(request_id)
             self._drop_blocks(seq, quarantine)
+            self._attach_prefix(seq)
             self.scheduler.add(seq)
 
     def kept_blocks(self, request_id: str) -> list[int]:
@@ -261,16 +377,32 @@ class LLMEngine:
                 return []
             self._inflight = {s.seq.request_id for s in batch}
             input_ids, meta, sampled = self.prepare(batch)
-        logits = self.model.forward(input_ids, meta, self.kv)
+        try:
+            logits = self.model.forward(input_ids, meta, self.kv)
+        except LoadFailed:
+            logits = None
         with self.lock:
             self._inflight = set()
-            outs = self.postprocess(batch, sampled, logits)
+            outs = [] if logits is None else self.postprocess(batch, sampled, logits)
+            if logits is None:
+                self._recompute_failed_loads(batch)
             for rid in self._deferred_aborts:
                 req = self.requests.get(rid)
                 if req is not None:
                     self._finish_abort(req.seq)
             aborted, self._deferred_aborts = self._deferred_aborts, set()
             return [o for o in outs if o.request_id not in aborted]
+
+    def _recompute_failed_loads(self, batch: list[Scheduled]) -> None:
+        """A load failed mid-forward: nothing of this step counts. Sequences whose load
+        failed compute those blocks themselves (same blocks, from where L1 ended)."""
+        for s in batch:
+            ld = s.seq.load
+            if ld is not None and ld.error is not None:
+                cancel_load(s.seq)
+                self.counters["load_failures"] += 1
+                self.counters["prefix_hit_tokens"] -= s.seq.num_cached - s.seq.num_l1
+                s.seq.num_computed = s.seq.num_cached = s.seq.num_l1
 
     def prepare(self, batch: list[Scheduled]):
         """Flat batch: single-token rows first (batched paged attention), then chunks."""
@@ -301,6 +433,9 @@ class LLMEngine:
                 sampled.append(s)
         meta = BatchMeta(positions=torch.tensor(pos), slot_mapping=torch.tensor(slots),
                          spans=spans, logits_rows=torch.tensor(rows, dtype=torch.long))
+        if self.cfg.load_guard:   # compute on layer i waits for layer i of these loads
+            meta.loads = [s.seq.load for s in batch if s.seq.load is not None]
+            meta.load_timeout_s = self.cfg.load_timeout_s
         if decode:
             nb = max(len(s.seq.block_table) for s in decode)
             meta.num_decode = len(decode)
@@ -319,6 +454,8 @@ class LLMEngine:
     def postprocess(self, batch, sampled, logits) -> list[RequestOutput]:
         for s in batch:
             s.seq.num_computed = s.start + s.n
+            if s.seq.keys:
+                self._register(s.seq)
         inputs = []
         V = logits.shape[-1]
         for s in sampled:
@@ -350,7 +487,8 @@ class LLMEngine:
             reason = "prefill_done"
         out = RequestOutput(seq.request_id, [token], text, reason is not None, reason, stop_reason,
                             num_prompt_tokens=len(seq.prompt_ids),
-                            num_output_tokens=len(seq.output_ids))
+                            num_output_tokens=len(seq.output_ids),
+                            num_cached_tokens=seq.num_cached)
         if res is not None and res.logprob is not None:
             out.logprobs.append((token, res.logprob, res.top_logprobs))
         if reason is not None:
@@ -380,7 +518,8 @@ class LLMEngine:
     def stats(self) -> dict:
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "blocks_free": self.pool.num_free, "blocks_used": self.pool.num_used,
-                "blocks_quarantined": self.num_quarantined, "blocks_total": self.pool.num_blocks}
+                "blocks_quarantined": self.num_quarantined, "blocks_total": self.pool.num_blocks,
+                **self.pool.stats(), **self.counters}
 
 
 def _ids_mask(ids, V: int) -> torch.Tensor:

@@ -45,6 +45,8 @@ class BatchMeta:
     spans: list[SeqSpan] = field(default_factory=list)  # everything else, per sequence
     logits_rows: torch.Tensor | None = None    # [S] rows whose logits are wanted
     pad_logits_to: int = 0                      # deterministic mode: fixed lm_head M
+    loads: list = field(default_factory=list)   # layer_load.LayerLoad: wait per layer
+    load_timeout_s: float = 30.0
 
 
 class Layer:
@@ -114,6 +116,8 @@ class Model:
             v = v.view(T, Hkv, D)
             k_cache, v_cache = kv[li, 0], kv[li, 1]
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            for ld in meta.loads:   # readiness guard: layer li of a prefix load has landed
+                ld.wait(li, meta.load_timeout_s)
             o = self.attention(q, k_cache, v_cache, meta)            # [T, Hq, D]
             h = h + linear(o.reshape(T, Hq * D), L.o_w)
             x = self.rms_norm(h, L.ln2)

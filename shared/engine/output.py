@@ -23,6 +23,7 @@ class RequestOutput:
     logprobs: list = field(default_factory=list)   # [(token, logprob, top)] per new token
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0              # prompt tokens served from a prefix cache
 
 
 class OutputProcessor:

@@ -110,9 +110,10 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks; it recomputes from scratch when readmitted."""
         self.running.remove(seq)
+        cancel_load(seq)
         self.pool.free(seq.block_table)
         seq.block_table = []
-        seq.num_computed = 0
+        seq.num_computed = seq.num_registered = seq.num_l1 = seq.num_cached = 0
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
@@ -121,8 +122,17 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        cancel_load(seq)
         if not keep_blocks and seq.block_table:
             self.pool.free(seq.block_table)
             seq.block_table = []
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+
+
+def cancel_load(seq: Sequence) -> None:
+    """The sequence's blocks are going away: its loader must not write any more (the
+    loader checks `cancelled` under the engine lock, which the caller holds)."""
+    if seq.load is not None:
+        seq.load.cancelled = True
+        seq.load = None

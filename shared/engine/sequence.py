@@ -32,6 +32,13 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     stop_after_prefill: bool = False   # prefill-only: finish after the first token
+    # prefix cache: keys of the prompt's cacheable blocks, how many are registered in the
+    # pool's index, prompt tokens served from L1 / from any cache, and a load in progress
+    keys: list[bytes] = field(default_factory=list)
+    num_registered: int = 0
+    num_l1: int = 0
+    num_cached: int = 0
+    load: object = None                # layer_load.LayerLoad while lower-tier KV arrives
 
     @property
     def num_tokens(self) -> int:

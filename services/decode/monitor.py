@@ -1,0 +1,109 @@
+"""Speculative-decoding anomaly monitor: pure bookkeeping, no I/O, no clock. The service
+feeds it one observation per verification step and logs or counts what it answers.
+
+Rules (each request fires at most once, the first rule that holds):
+
+    low_accept_length   mean accept length (tokens emitted per verification step, the
+                        correction/bonus token included, as SGLang's spec_accept_length)
+                        < accept_length_low, once more than min_tokens_low tokens were
+                        generated: the draft is not paying for itself.
+    high_accept_rate    accepted / proposed drafts > accept_rate_high, once at least
+                        min_proposed_high drafts were proposed: the draft and the target
+                        agree suspiciously well (same model, a degenerate repeat loop, or a
+                        verifier that accepts everything). The gate on proposed drafts keeps
+                        short clean outputs (a few steps that all happen to match) quiet; its
+                        default, 128, matches min_tokens_low.
+
+A step that proposed nothing is not a verification step: it updates generated_total only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+LOW_ACCEPT_LENGTH = "low_accept_length"
+HIGH_ACCEPT_RATE = "high_accept_rate"
+RULES = (LOW_ACCEPT_LENGTH, HIGH_ACCEPT_RATE)
+
+
+@dataclass(slots=True)
+class MonitorConfig:
+    min_tokens_low: int = 128         # low_accept_length: generated tokens first (strictly more)
+    accept_length_low: float = 1.4
+    accept_rate_high: float = 0.96
+    min_proposed_high: int = 128      # high_accept_rate: proposed drafts first (at least)
+    enabled: bool = True
+
+    def __post_init__(self):
+        if self.min_tokens_low < 0 or self.min_proposed_high < 1:
+            raise ValueError("min_tokens_low must be >= 0 and min_proposed_high >= 1")
+        if self.accept_length_low < 1.0:
+            raise ValueError(f"accept_length_low must be >= 1 (a step emits at least one "
+                             f"token), got {self.accept_length_low}")
+        if not 0.0 < self.accept_rate_high <= 1.0:
+            raise ValueError(f"accept_rate_high must be in (0, 1], got {self.accept_rate_high}")
+
+
+@dataclass(slots=True)
+class RequestSpecStats:
+    steps: int = 0          # verification steps (proposed > 0)
+    proposed: int = 0       # drafted tokens
+    accepted: int = 0       # drafted tokens the target accepted
+    emitted: int = 0        # tokens emitted by verification steps (accepted + correction/bonus)
+    generated: int = 0      # latest generated_total (all output tokens, speculative or not)
+    fired: str | None = None
+
+    @property
+    def accept_length(self) -> float:
+        return self.emitted / self.steps if self.steps else 0.0
+
+    @property
+    def accept_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+
+@dataclass
+class AnomalyMonitor:
+    config: MonitorConfig = field(default_factory=MonitorConfig)
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RULES, 0))
+    _stats: dict[str, RequestSpecStats] = field(default_factory=dict, repr=False)
+
+    def observe(self, request_id: str, proposed: int, accepted: int, emitted: int,
+                generated_total: int) -> str | None:
+        """One verification step; returns the rule that fired for this request, only the
+        first time one does (None otherwise and always when disabled)."""
+        if not self.config.enabled:
+            return None
+        if not 0 <= accepted <= proposed or emitted < 0 or generated_total < 0:
+            raise ValueError(f"bad step: proposed={proposed} accepted={accepted} "
+                             f"emitted={emitted} generated_total={generated_total}")
+        st = self._stats.setdefault(request_id, RequestSpecStats())
+        st.generated = generated_total
+        if proposed:
+            st.steps += 1
+            st.proposed += proposed
+            st.accepted += accepted
+            st.emitted += emitted
+        if st.fired is not None or not st.steps:
+            return None
+        st.fired = self._rule(st)
+        if st.fired is not None:
+            self.counts[st.fired] += 1
+        return st.fired
+
+    def forget(self, request_id: str) -> RequestSpecStats | None:
+        """Drop a finished request; returns its stats (None if never observed)."""
+        return self._stats.pop(request_id, None)
+
+    def stats(self, request_id: str) -> RequestSpecStats | None:
+        return self._stats.get(request_id)
+
+    def __len__(self) -> int:
+        return len(self._stats)
+
+    def _rule(self, st: RequestSpecStats) -> str | None:
+        c = self.config
+        if st.generated > c.min_tokens_low and st.accept_length < c.accept_length_low:
+            return LOW_ACCEPT_LENGTH
+        if st.proposed >= c.min_proposed_high and st.accept_rate > c.accept_rate_high:
+            return HIGH_ACCEPT_RATE
+        return None

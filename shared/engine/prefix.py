@@ -1,0 +1,32 @@
+"""Prefix keys for KV blocks: a chained hash over whole blocks of token ids.
+
+Block i's key hashes the key of block i-1 and the token ids of block i, so a key names
+the whole prefix up to and including its block (like vLLM's and SGLang's prefix caches).
+The chain starts from a salt that names the model, its tokenizer, the KV dtype and the
+block size: two models (or two precisions) never share an entry.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+KEY_BYTES = 16
+
+
+def prefix_salt(*parts: str) -> bytes:
+    return hashlib.blake2b("\x1f".join(parts).encode(), digest_size=KEY_BYTES).digest()
+
+
+def block_keys(token_ids: list[int], block_size: int, salt: bytes,
+               num_blocks: int | None = None) -> list[bytes]:
+    """Keys of the first `num_blocks` whole blocks (default: every whole block)."""
+    n = len(token_ids) // block_size
+    if num_blocks is not None:
+        n = min(n, num_blocks)
+    keys, prev = [], salt
+    for i in range(n):
+        h = hashlib.blake2b(prev, digest_size=KEY_BYTES)
+        h.update(array("q", token_ids[i * block_size:(i + 1) * block_size]).tobytes())
+        prev = h.digest()
+        keys.append(prev)
+    return keys

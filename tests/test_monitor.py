@@ -1,0 +1,85 @@
+"""Speculative anomaly monitor: each rule fires once, past its gate, and only then."""
+from __future__ import annotations
+
+import pytest
+
+from services.decode.monitor import (HIGH_ACCEPT_RATE, LOW_ACCEPT_LENGTH, AnomalyMonitor,
+                                     MonitorConfig, RequestSpecStats)
+
+
+def run(mon, rid, steps, k, accepted, start=1):
+    """`steps` verification steps of k drafts with `accepted` accepted (+1 bonus/correction);
+    returns every non-None answer."""
+    fired, total = [], start
+    for _ in range(steps):
+        total += accepted + 1
+        r = mon.observe(rid, k, accepted, accepted + 1, total)
+        if r is not None:
+            fired.append(r)
+    return fired
+
+
+def test_stats_properties():
+    st = RequestSpecStats(steps=4, proposed=16, accepted=8, emitted=12)
+    assert st.accept_length == 3.0 and st.accept_rate == 0.5
+    assert RequestSpecStats().accept_length == 0.0 and RequestSpecStats().accept_rate == 0.0
+
+
+def test_low_accept_length_fires_once_after_the_token_gate():
+    mon = AnomalyMonitor()
+    # accept length 1.0 (every draft rejected): quiet until more than 128 tokens
+    fired = []
+    for i in range(1, 200):
+        r = mon.observe("a", 4, 0, 1, 1 + i)
+        if r:
+            fired.append((r, 1 + i))
+    assert fired == [(LOW_ACCEPT_LENGTH, 129)]
+    assert mon.counts == {LOW_ACCEPT_LENGTH: 1, HIGH_ACCEPT_RATE: 0}
+
+
+def test_healthy_request_stays_quiet():
+    mon = AnomalyMonitor()
+    assert run(mon, "a", 200, 4, 2) == []     # accept length 3, rate 0.5
+    st = mon.stats("a")
+    assert st.accept_length == 3.0 and st.accept_rate == 0.5 and st.steps == 200
+
+
+def test_high_accept_rate_needs_enough_proposed_drafts():
+    mon = AnomalyMonitor()
+    assert run(mon, "short", 31, 4, 4) == []          # 124 proposed, all accepted: clean
+    assert mon.observe("short", 4, 4, 5, 200) == HIGH_ACCEPT_RATE   # 128th proposed
+    assert run(mon, "long", 100, 4, 4) == [HIGH_ACCEPT_RATE]
+    assert mon.counts[HIGH_ACCEPT_RATE] == 2
+
+
+def test_rate_at_the_threshold_does_not_fire():
+    mon = AnomalyMonitor(MonitorConfig(accept_rate_high=0.75))
+    assert run(mon, "a", 100, 4, 3) == []             # exactly 0.75: not above
+
+
+def test_steps_without_drafts_are_not_verification_steps():
+    mon = AnomalyMonitor()
+    for i in range(300):
+        assert mon.observe("a", 0, 0, 1, i + 1) is None
+    assert mon.stats("a").steps == 0
+    # the first real step sees the generated count so far
+    assert mon.observe("a", 4, 0, 1, 301) == LOW_ACCEPT_LENGTH
+
+
+def test_forget_and_disabled():
+    mon = AnomalyMonitor()
+    run(mon, "a", 5, 4, 1)
+    assert len(mon) == 1 and mon.forget("a").steps == 5 and len(mon) == 0
+    assert mon.forget("a") is None
+    off = AnomalyMonitor(MonitorConfig(enabled=False))
+    assert run(off, "a", 300, 4, 0) == [] and len(off) == 0
+
+
+def test_bad_input_is_refused():
+    mon = AnomalyMonitor()
+    with pytest.raises(ValueError):
+        mon.observe("a", 2, 3, 4, 10)
+    for bad in (dict(accept_rate_high=1.5), dict(accept_length_low=0.5),
+                dict(min_proposed_high=0), dict(min_tokens_low=-1)):
+        with pytest.raises(ValueError):
+            MonitorConfig(**bad)
