@@ -10,8 +10,8 @@ class KvstoreConfig:
     """pdmesh kvstore: hierarchical KV cache (HiCache) tiers L2 (host memory) and L3 (disk)."""
     nats_url: str = "nats://127.0.0.1:4222"
     instance_id: str = field(default="", metadata={"help": "default: generated"})
-    host_cache_mb: int = field(default=1024, metadata={"help": "L2 budget (0: no host tier)"})
-    disk_cache_mb: int = field(default=4096, metadata={"help": "L3 budget (0: no disk tier)"})
+    host_cache_mb: float = field(default=1024, metadata={"help": "L2 budget (0: no host tier)"})
+    disk_cache_mb: float = field(default=4096, metadata={"help": "L3 budget (0: no disk tier)"})
     disk_dir: str = field(default=os.path.expanduser("~/.cache/pdmesh/kvstore"), metadata={
         "help": "L3 files live here (kept across restarts)"})
     write_through_l3: bool = field(default=False, metadata={

@@ -45,8 +45,8 @@ def _keys(hexes: list[str]) -> list[bytes]:
 
 
 def make_store(cfg: KvstoreConfig) -> TieredStore:
-    l3 = DiskTier(cfg.disk_dir, cfg.disk_cache_mb << 20) if cfg.disk_cache_mb else None
-    return TieredStore(MemoryTier(cfg.host_cache_mb << 20), l3, cfg.write_through_l3)
+    l3 = DiskTier(cfg.disk_dir, int(cfg.disk_cache_mb * 2**20)) if cfg.disk_cache_mb else None
+    return TieredStore(MemoryTier(int(cfg.host_cache_mb * 2**20)), l3, cfg.write_through_l3)
 
 
 class KvstoreService:
@@ -79,7 +79,7 @@ class KvstoreService:
         await self.rt.endpoint("put", subjects.kvstore_put(), self.on_put, None, raw=True,
                                queue_group="kvstore")
         self.rt.spawn(self.expire_loads())
-        log.info("kvstore %s ready (L2 %d MiB, L3 %d MiB in %s)", self.iid, self.cfg.host_cache_mb,
+        log.info("kvstore %s ready (L2 %g MiB, L3 %g MiB in %s)", self.iid, self.cfg.host_cache_mb,
                  self.cfg.disk_cache_mb, self.cfg.disk_dir)
 
     async def serve(self) -> None:
