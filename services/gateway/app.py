@@ -11,6 +11,7 @@ says what went wrong; a 500 means a bug in this gateway.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -193,7 +194,11 @@ async def health(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     t = gw.registry.totals(time.monotonic())
+    kv = await kvstore_stats(gw.runtime.nc)
     text = gw.metrics.render({
+        "pdmesh_routed_prefix_warm_total": ("Requests routed to the decode instance that "
+                                            "last served their prefix.", gw.client.routed_warm),
+        **{f"pdmesh_kvstore_{k}": (KVSTORE_GAUGES[k], kv[k]) for k in KVSTORE_GAUGES if k in kv},
         "pdmesh_requests_in_flight": ("Requests this gateway is serving.", gw.in_flight),
         "pdmesh_decode_instances_alive": ("Decode instances heartbeating.", t["instances"]),
         "pdmesh_prefill_queue_depth": ("Prefill jobs queued, summed over decode heartbeats.",
@@ -209,6 +214,30 @@ async def metrics(request: web.Request) -> web.Response:
                                          t["blocks_quarantined"]),
     })
     return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
+
+
+KVSTORE_GAUGES = {
+    "l2_entries": "KV blocks in kvstore host memory (L2).",
+    "l2_bytes": "Bytes in kvstore host memory (L2).",
+    "l2_hits": "Blocks served from L2.",
+    "l2_evictions": "Blocks evicted from L2 (demoted to L3).",
+    "l3_entries": "KV blocks in kvstore disk files (L3).",
+    "l3_bytes": "Bytes in kvstore disk files (L3).",
+    "l3_hits": "Blocks served from L3.",
+    "l3_evictions": "Blocks evicted from L3.",
+    "checksum_failures": "L3 blocks whose checksum failed on read (dropped, recomputed).",
+    "blocks_rejected": "Write-back blocks whose checksum failed on arrival (not indexed).",
+    "prefix_hit_rate": "Leading prefix keys found / looked up.",
+}
+
+
+async def kvstore_stats(nc) -> dict:
+    """kvstore's micro STATS data (empty when no kvstore answers quickly)."""
+    try:
+        msg = await nc.request("$SRV.STATS.kvstore", b"", timeout=0.5)
+        return json.loads(msg.data)["endpoints"][0].get("data") or {}
+    except Exception:  # noqa: BLE001 - no kvstore: no kvstore gauges
+        return {}
 
 
 # ---- errors ----------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from shared.contracts.messages import Abort, DecodeSubmit, Heartbeat, Path, Subm
 from shared.contracts.sampling import SamplingParams
 from shared.service import ServiceError, decode_reply
 
+from .affinity import PrefixAffinity
 from .protocol import OpenAIError
 from .registry import Registry
 
@@ -83,6 +84,8 @@ class DecodeClient:
         self.queues: dict[str, asyncio.Queue] = {}
         self.dropped_chunks = 0
         self.bad_messages = 0
+        self.affinity = PrefixAffinity()
+        self.routed_warm = 0       # requests sent where their prefix was likely cached
         self._rng = random.Random()
 
     async def start(self) -> None:
@@ -119,7 +122,8 @@ class DecodeClient:
             params = msgspec.structs.replace(params, seed=self._rng.getrandbits(63))
         tried: set[str] = set()
         reasons: list[str] = []
-        while (inst := self.registry.choose(self.clock(), tried)) is not None:
+        cached = self.affinity.best(prompt_ids)
+        while (inst := self.registry.choose(self.clock(), tried, cached)) is not None:
             rid = request_id if not tried else f"{request_id}.{len(tried)}"
             tried.add(inst)
             queue: asyncio.Queue = asyncio.Queue()
@@ -166,6 +170,8 @@ class DecodeClient:
                 reasons.append(f"{inst}: {type(e).__name__}: {e}")
                 continue
             self.registry.sent(inst)
+            self.routed_warm += cached.get(inst, 0) > 0
+            self.affinity.record(prompt_ids, inst)
             return Dispatch(rid, inst, ack.path, queue)
         why = self.registry.why_none(self.clock(), tried)
         if not self.nc.is_connected:

@@ -80,12 +80,17 @@ class Metrics:
                                   "Requests accepted by decode, by placement (pd|colocated).")
         self.ttft = Histogram("pdmesh_time_to_first_token_seconds",
                               "Request arrival to first generated token.", TTFT_BUCKETS)
+        self.prompt_tokens = Counter("pdmesh_prompt_tokens_total",
+                                     "Prompt tokens of finished requests.")
+        self.cached_tokens = Counter("pdmesh_prompt_tokens_cached_total",
+                                     "Prompt tokens served from a prefix cache (L1/L2/L3), not computed.")
         self.itl = Histogram("pdmesh_inter_token_latency_seconds",
                              "Time between generated tokens of one request.", ITL_BUCKETS)
 
     def render(self, gauges: dict[str, tuple[str, float]]) -> str:
         lines: list[str] = []
-        for m in (self.requests, self.failures, self.placements, self.ttft, self.itl):
+        for m in (self.requests, self.failures, self.placements, self.prompt_tokens,
+                  self.cached_tokens, self.ttft, self.itl):
             lines += m.render()
         for name, (help_, value) in gauges.items():
             lines += [f"# HELP {name} {help_}", f"# TYPE {name} gauge", f"{name} {_num(value)}"]

@@ -62,13 +62,23 @@ class Registry:
         theirs = inst.hb.tokenizer_fingerprint
         return not (self.fingerprint and theirs and theirs != self.fingerprint)
 
-    def choose(self, now: float, exclude: set[str] | frozenset[str] = frozenset()) -> str | None:
-        """The least loaded live, compatible instance not in `exclude`, or None."""
+    def choose(self, now: float, exclude: set[str] | frozenset[str] = frozenset(),
+               cached: dict[str, int] | None = None, min_cached: int = 256,
+               max_extra_load: int = 4) -> str | None:
+        """The least loaded live, compatible instance not in `exclude`, or None.
+        cached: instance -> prompt tokens it likely holds in its prefix cache; the
+        instance with the most (at least min_cached) wins unless it carries more than
+        max_extra_load requests above the least loaded one (then balance wins)."""
         cands = [i for i in self.alive(now)
                  if i.hb.instance_id not in exclude and self.compatible(i) and i.hb.accepting]
         if not cands:
             return None
         best = min(cands, key=lambda i: (i.load, -i.hb.blocks_free, i.hb.instance_id))
+        if cached:
+            warm = [i for i in cands if cached.get(i.hb.instance_id, 0) >= min_cached
+                    and i.load <= best.load + max_extra_load]
+            if warm:
+                return max(warm, key=lambda i: (cached[i.hb.instance_id], -i.load)).hb.instance_id
         return best.hb.instance_id
 
     def why_none(self, now: float, exclude: set[str] | frozenset[str] = frozenset()) -> str:

@@ -66,6 +66,8 @@ class Answer:
         self.cached_tokens = max(self.cached_tokens, chunk.cached_tokens)
         if chunk.finished:
             self.finish_reason = chunk.finish_reason
+            self.metrics.prompt_tokens.inc(self.prompt_tokens)
+            self.metrics.cached_tokens.inc(self.cached_tokens)
         self.parts.append(chunk.text)
         self.token_ids += chunk.token_ids
         return chunk.text, self._logprobs(chunk)
@@ -152,13 +154,13 @@ async def _complete(request, client, d, ans: Answer, rid, deadline) -> web.Respo
     if o.return_token_ids:
         body["choices"][0]["token_ids"] = ans.token_ids
     return web.Response(body=P.dumps(body), content_type="application/json",
-                        headers={"x-pdmesh-path": d.path.value})
+                        headers={"x-pdmesh-path": d.path.value, "x-pdmesh-decode": d.instance})
 
 
 async def _stream(request, client, d, ans: Answer, rid, deadline) -> web.StreamResponse:
     o = ans.prep.options
     created = int(time.time())
-    resp = web.StreamResponse(headers=SSE_HEADERS | {"x-pdmesh-path": d.path.value})
+    resp = web.StreamResponse(headers=SSE_HEADERS | {"x-pdmesh-path": d.path.value, "x-pdmesh-decode": d.instance})
     await resp.prepare(request)
 
     def chunk(text: str, finish: str | None = None, lp: dict | None = None,

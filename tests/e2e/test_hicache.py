@@ -196,3 +196,36 @@ def test_kvstore_killed_and_restarted_mid_run(tiny_target, prompts, reference):
         # after the restart the cache fills and hits again
         got2, cached = run_prompts(mesh, prompts[:4])
         assert got2 == reference[:4] and all(c >= 384 for c in cached[1:]), cached
+
+
+def test_cache_aware_routing_and_metrics(tiny_target, prompts, tiny_tokenizer):
+    """Two decode instances, two contexts interleaved: each context sticks to the
+    instance that served it first, so its prefix is an L1 hit there."""
+    other = shared_prefix_prompts(tiny_tokenizer, n=4, seed=11)
+    other = [tiny_tokenizer.encode(inspect.getsource(random))[:400] + p[400:] for p in other]
+    ov = det_overrides()
+    with Cluster(str(tiny_target), prefill=1, decode=2, **DET, overrides=ov, echo=False) as mesh:
+        async def go():
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(120)) as http:
+                seen: dict[int, list[str]] = {0: [], 1: []}
+                cached: dict[int, list[int]] = {0: [], 1: []}
+                for i in range(4):
+                    for ctx, p in ((0, prompts[i]), (1, other[i])):
+                        body = {"model": "tiny-target", "prompt": p, "max_tokens": 4,
+                                "temperature": 0.0, "pdmesh_path": "pd"}
+                        async with http.post(mesh.url + "/v1/completions", json=body) as r:
+                            data = await r.json()
+                            assert r.status == 200, data
+                            seen[ctx].append(r.headers["x-pdmesh-decode"])
+                            cached[ctx].append(data["usage"]["prompt_tokens_details"]["cached_tokens"])
+                async with http.get(mesh.url + "/metrics") as r:
+                    return seen, cached, await r.text()
+        seen, cached, metrics = asyncio.run(go())
+    for ctx in (0, 1):
+        assert len(set(seen[ctx])) == 1, seen
+        assert all(c >= 384 for c in cached[ctx][1:]), cached
+    vals = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+            if line and not line.startswith("#")}
+    assert vals["pdmesh_routed_prefix_warm_total"] >= 6
+    assert vals["pdmesh_prompt_tokens_cached_total"] >= 6 * 384
+    assert "pdmesh_kvstore_l2_bytes" in vals and vals["pdmesh_kvstore_l2_entries"] > 0
