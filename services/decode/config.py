@@ -35,6 +35,14 @@ class DecodeConfig:
         "help": "wait this long for a ReclaimAck, then ask again (until the lease ends)"})
     prefix_cache: bool = field(default=True, metadata={
         "help": "L1: reuse prompt blocks still in this instance's KV pool (PD: not sent again)"})
+    kvstore: bool = field(default=True, metadata={
+        "help": "PD: load a prompt prefix kvstore holds (L2/L3) here, layer by layer, so "
+                "prefill sends only the rest"})
+    kvstore_timeout_s: float = 2.0
+    draft_model: str = field(default="", metadata={
+        "help": "speculative decoding: the draft model's HF folder ('' : none)"})
+    num_speculative_tokens: int = field(default=4, metadata={
+        "help": "draft tokens verified per decode step (0: no speculation)"})
     # test-only fault injection (off by default)
     fault_drop_constraint_in_job: bool = field(default=False, metadata={
         "help": "TEST ONLY: send prefill jobs without their constraint"})
@@ -58,4 +66,5 @@ class DecodeConfig:
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             chunk_size=self.chunk_size, deterministic=self.deterministic,
             threads=self.threads or None, epoch_fence=not self.fault_no_epoch_fence,
-            prefix_caching=self.prefix_cache)
+            prefix_caching=self.prefix_cache, draft_model=self.draft_model or None,
+            num_speculative_tokens=self.num_speculative_tokens)

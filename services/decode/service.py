@@ -36,6 +36,7 @@ from shared.engine.kv_transfer import unpack_into
 from shared.engine.output import RequestOutput
 from shared.engine_loop import run_engine_loop
 from shared.jobqueue import ensure_stream
+from shared.kvstore_client import KvstoreClient
 from shared.service import ServiceError, ServiceRuntime, decode_reply, new_instance_id
 
 from .config import DecodeConfig
@@ -80,6 +81,7 @@ class DecodeService:
         nc = self.rt.nc
         self.js = nc.jetstream()
         await ensure_stream(self.js)
+        self.kvc = KvstoreClient(nc, self.cfg.kvstore_timeout_s)
         await self.rt.endpoint("submit", subjects.decode_submit(self.iid), self.on_submit,
                                Codec(DecodeSubmit))
         await self.rt.endpoint("abort", subjects.decode_abort(self.iid), self.on_abort,
@@ -126,9 +128,10 @@ class DecodeService:
                          ts=time.time())
 
     def stats(self) -> dict:
+        kvc = self.kvc.counters if hasattr(self, "kvc") else {}
         return (self.engine.stats() | {"awaiting_kv": len(self.engine.remote),
                                        "requests": len(self.tracked)}
-                | self.counters | self.life.stats())
+                | self.counters | self.life.stats() | kvc)
 
     # ---- handlers ---------------------------------------------------------------------
     async def on_submit(self, sub: DecodeSubmit) -> bytes:
@@ -145,8 +148,14 @@ class DecodeService:
             self.engine.check_request(sub.prompt_ids, sub.params)
             path = self.choose_path(sub)
             if path is Path.PD:
-                blocks, epochs, skip = self.engine.reserve_remote(
-                    rid, sub.prompt_ids, sub.params, sub.constraint)
+                tier = 0
+                if self.cfg.kvstore:
+                    tier = await self.kvc.lookup(self.engine.prefix_keys(sub.prompt_ids))
+                res = self.engine.reserve_remote(rid, sub.prompt_ids, sub.params,
+                                                 sub.constraint, tier_blocks=tier)
+                blocks, epochs, skip = res.blocks, res.epochs, res.skip
+                if res.load is not None:
+                    self.rt.spawn(self.kvc.load(self.engine, res.load))
             else:
                 self.engine.add_request(rid, sub.prompt_ids, sub.params,
                                         constraint=sub.constraint)
@@ -284,6 +293,14 @@ class DecodeService:
                 await self.fail(rid, ErrorCode.INTERNAL, "engine step failed",
                                 reason="engine_error")
 
+    @staticmethod
+    def cached_tokens(o: RequestOutput, tr: Tracked) -> int:
+        """Prompt tokens not computed: prefill's count on the PD path (decode's own hits
+        only spare transfer), the engine's when it prefilled here. Final chunk only."""
+        if not o.finished:
+            return 0
+        return tr.cached_tokens if tr.path is Path.PD else o.num_cached_tokens
+
     async def publish(self, o: RequestOutput) -> None:
         tr = self.tracked.get(o.request_id)
         if tr is None:
@@ -294,7 +311,7 @@ class DecodeService:
                            prompt_tokens=o.num_prompt_tokens,
                            completion_tokens=o.num_output_tokens, path=tr.path,
                            seq=tr.chunks,
-                           cached_tokens=max(o.num_cached_tokens, tr.cached_tokens))
+                           cached_tokens=self.cached_tokens(o, tr))
         tr.chunks += 1
         if o.finished:
             self.tracked.pop(o.request_id, None)

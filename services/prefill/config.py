@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from shared.engine.config import EngineConfig
 
 
+WRITE_POLICIES = ("write_through", "write_through_selective", "none")
+
+
 @dataclass
 class PrefillConfig:
     """pdmesh prefill: prompt forward passes, first token, KV writes to decode."""
@@ -34,6 +37,9 @@ class PrefillConfig:
         "help": "L1: reuse prompt blocks still in this worker's KV pool"})
     kvstore: bool = field(default=True, metadata={
         "help": "use kvstore (L2 host memory, L3 disk): prefix loads and write-back"})
+    write_policy: str = field(default="write_through", metadata={
+        "help": "which new prompt blocks go to kvstore: write_through (all, right after the "
+                "KV went to decode) | write_through_selective (a prefix seen before) | none"})
     kvstore_timeout_s: float = 2.0
     # test-only fault injection (off by default)
     fault_load_delay_s: float = field(default=0.0, metadata={
@@ -46,6 +52,8 @@ class PrefillConfig:
         "help": "TEST ONLY: each KV write waits a random 0..this long once issued (slow wire)"})
 
     def __post_init__(self):
+        if self.write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
         if not self.model:
             raise ValueError("--model (PDMESH_MODEL) is required")
 

@@ -24,6 +24,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
@@ -49,6 +50,7 @@ JOB = Codec(PrefillJob)
 RECLAIM = Codec(Reclaim)
 CLAIM_REPLY = Codec(ClaimReply)
 REAP_S = 5.0
+SEEN_KEYS = 100_000     # prefix keys remembered for write_through_selective
 
 
 class PrefillService:
@@ -70,6 +72,7 @@ class PrefillService:
                          "jobs_refused": 0, "jobs_reclaimed": 0, "jobs_redelivered": 0,
                          "reclaims_answered": 0}
         self.ledger = WriteLedger()
+        self.seen_keys: OrderedDict[bytes, None] = OrderedDict()
 
     async def start(self) -> None:
         await self.rt.start()
@@ -287,12 +290,25 @@ class PrefillService:
         return await fut, tier
 
     def write_back(self, local_id: str, job: PrefillJob, tier: int) -> None:
-        """Send the prompt's whole blocks kvstore lacks (it holds the first `tier`)."""
-        if not self.cfg.kvstore:
+        """Send the prompt's whole blocks kvstore lacks (it holds the first `tier`).
+        write_through_selective sends a block only the second time its prefix is seen
+        (one-off prompts never cost host memory), like SGLang's selective policy."""
+        policy = self.cfg.write_policy
+        if not self.cfg.kvstore or policy == "none":
             return
-        keys = self.engine.prefix_keys(job.prompt_ids)
-        blocks = self.engine.kept_blocks(local_id)[:len(keys)]
-        self.kvc.write_back(self.engine, blocks[tier:], keys[tier:])
+        keys = self.engine.prefix_keys(job.prompt_ids)[tier:]
+        blocks = self.engine.kept_blocks(local_id)[tier:tier + len(keys)]
+        if policy == "write_through_selective":
+            n = 0
+            while n < len(keys) and keys[n] in self.seen_keys:
+                n += 1
+            for k in keys:
+                self.seen_keys[k] = None
+                self.seen_keys.move_to_end(k)
+            while len(self.seen_keys) > SEEN_KEYS:
+                self.seen_keys.popitem(last=False)
+            keys, blocks = keys[:n], blocks[:n]
+        self.kvc.write_back(self.engine, blocks, keys)
 
     async def finish(self, job: PrefillJob, msg, done: PrefillDone) -> None:
         ok = done.status is PrefillStatus.OK

@@ -25,6 +25,8 @@ class EngineConfig:
     prefix_caching: bool = True          # L1: reuse whole prompt blocks already in the pool
     load_guard: bool = True              # False: TEST ONLY, compute reads loading layers unchecked
     load_timeout_s: float = 30.0         # a layer load slower than this fails (recomputed)
+    draft_model: str | None = None       # speculative decoding: the draft's HF folder
+    num_speculative_tokens: int = 4      # drafts verified per decode step (0 disables)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -37,6 +39,15 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
+        if self.num_speculative_tokens < 0:
+            raise ValueError("num_speculative_tokens must be >= 0 (0 disables speculation)")
+        if self.speculative and self.num_speculative_tokens >= self.max_num_batched_tokens:
+            raise ValueError("num_speculative_tokens must be < max_num_batched_tokens "
+                             "(a decode step verifies 1 + num_speculative_tokens rows)")
+
+    @property
+    def speculative(self) -> bool:
+        return bool(self.draft_model) and self.num_speculative_tokens > 0
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -22,6 +22,9 @@ while the rest computes; compute on layer i waits until layer i has landed
 (layer_load.py). In deterministic mode only prefixes whose KV is bit-identical however
 the prompt is split are shared: whole chunks (multiples of chunk_size).
 
+Speculative decoding (cfg.draft_model): decode steps carry k draft tokens that one target
+forward verifies; the draft's KV shares the pool's block ids (spec/runner.py).
+
 Threading: step() may run in a worker thread while the service's event loop adds,
 aborts and applies KV writes. Bookkeeping happens under `lock`; the forward pass runs
 without it. An abort that arrives during a forward is applied right after it, so a
@@ -33,6 +36,7 @@ import itertools
 import random
 import threading
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -40,12 +44,19 @@ from .block_pool import BlockPool, NoFreeBlocks
 from .config import EngineConfig
 from .layer_load import LayerLoad, LoadFailed
 from .loader import load_config, load_weights
-from .model import BatchMeta, Model, SeqSpan
+from .model import BatchMeta, Model, SeqSpan, kv_block_bytes, kv_pool
 from .output import OutputProcessor, RequestOutput
 from .prefix import block_keys, prefix_salt
-from .sampling import SampleInput, sample
+from .sampling import SampleInput, fit_banned, sample
 from .scheduler import Scheduled, Scheduler, cancel_load
 from .sequence import Sequence
+
+
+class Reservation(NamedTuple):
+    blocks: list[int]          # the remote writer fills these (prompt blocks skip.. end)
+    epochs: list[int]
+    skip: int                  # leading prompt blocks served here (L1 or the load)
+    load: LayerLoad | None     # the caller fills it from the lower tier
 
 
 @dataclass(slots=True)
@@ -70,15 +81,27 @@ class LLMEngine:
         weights = load_weights(cfg.model, self.model_cfg, cfg.torch_dtype)
         self.model = Model(self.model_cfg, weights, cfg.torch_dtype)
         mc = self.model_cfg
-        self.max_model_len = min(cfg.max_model_len or mc.max_position, mc.max_position)
-        block_bytes = (mc.num_layers * 2 * cfg.block_size * mc.num_kv_heads * mc.head_dim
-                       * torch.tensor([], dtype=cfg.torch_dtype).element_size())
+        dc = load_config(cfg.draft_model) if cfg.speculative else None
+        if dc is not None and dc.vocab_size != mc.vocab_size:
+            raise ValueError(f"draft model {cfg.draft_model} has vocab_size {dc.vocab_size}; "
+                             f"the target's is {mc.vocab_size}: they must share a tokenizer")
+        models = [c for c in (mc, dc) if c is not None]
+        self.max_model_len = min([cfg.max_model_len or mc.max_position]
+                                 + [c.max_position for c in models])
+        # a block id names target KV and (when speculating) the draft's, in two pools
+        block_bytes = sum(kv_block_bytes(c, cfg.block_size, cfg.torch_dtype) for c in models)
         num_blocks = cfg.num_blocks or max(1, cfg.kv_cache_bytes // block_bytes)
-        # kv: [layers, 2, blocks, block_size, Hkv, D]
-        self.kv = torch.zeros(mc.num_layers, 2, num_blocks, cfg.block_size, mc.num_kv_heads,
-                              mc.head_dim, dtype=cfg.torch_dtype)
+        self.kv = kv_pool(mc, num_blocks, cfg.block_size, cfg.torch_dtype)
+        self.draft_kv = self.spec = None
+        if dc is not None:
+            from .spec.runner import SpecRunner
+            self.draft_kv = kv_pool(dc, num_blocks, cfg.block_size, cfg.torch_dtype)
+            draft = Model(dc, load_weights(cfg.draft_model, dc, cfg.torch_dtype), cfg.torch_dtype)
+            self.spec = SpecRunner(self, draft)
         self.pool = BlockPool(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(cfg, self.pool)
+        if self.spec is not None:
+            self.scheduler.lookahead = self.spec.lookahead
         self.requests: dict[str, _Req] = {}
         self.remote: dict[str, Sequence] = {}      # reserved, awaiting remote KV
         self.quarantined: dict[str, list[int]] = {}  # aborted remote requests' blocks
@@ -91,7 +114,8 @@ class LLMEngine:
         fp = self.tokenizer.fingerprint if self.tokenizer is not None else ""
         self.cache_salt = prefix_salt(str(mc), fp, cfg.dtype, str(cfg.block_size))
         self.counters = {"prefix_hit_tokens": 0, "prompt_tokens": 0, "loads": 0,
-                         "load_failures": 0, "loaded_blocks": 0}
+                         "load_failures": 0, "loaded_blocks": 0,
+                         "spec_steps": 0, "spec_proposed": 0, "spec_accepted": 0}
         self.last_load: dict = {}       # timeline of the latest completed layer-wise load
 
     @property
@@ -186,7 +210,7 @@ class LLMEngine:
         """Give a new sequence its cached prefix: L1 blocks (referenced), plus fresh blocks
         for a lower tier's longer prefix, to be filled by the returned LayerLoad."""
         seq.block_table, seq.num_registered = [], 0
-        seq.num_computed = seq.num_l1 = seq.num_cached = 0
+        seq.num_computed = seq.num_l1 = seq.num_cached = seq.draft_computed = 0
         seq.keys = self.prefix_keys(seq.prompt_ids)
         self.counters["prompt_tokens"] += len(seq.prompt_ids)
         if not seq.keys:
@@ -287,28 +311,30 @@ class LLMEngine:
 
     # ---- remote prefill (decode side) ------------------------------------------------
     def reserve_remote(self, request_id: str, prompt_ids: list[int], params,
-                       constraint=None) -> tuple[list[int], list[int], int]:
+                       constraint=None, tier_blocks: int = 0) -> Reservation:
         """Allocate blocks for a prompt another process prefills. The prompt's prefix
-        already cached here (L1) is not written again. Returns (blocks the writer fills,
-        their epochs, number of leading prompt blocks skipped because cached).
+        cached here (L1), or loaded here from a lower tier holding `tier_blocks` leading
+        blocks (the returned load, which the caller fills), is not written by the
+        prefill: `skip` leading prompt blocks are left out of the writer's blocks.
         Raises NoFreeBlocks when short."""
         with self.lock:
             if len(self.scheduler.running) + len(self.remote) >= self.cfg.max_num_seqs * 4:
                 raise NoFreeBlocks("too many requests awaiting KV")
             n = len(prompt_ids) + (params.max_tokens if self.cfg.deterministic else 0)
             seq = self._new_seq(request_id, prompt_ids, params, constraint)
-            self._attach_prefix(seq)
+            load = self._attach_prefix(seq, tier_blocks)
             need = self.pool.blocks_for(max(n, len(prompt_ids))) - len(seq.block_table)
             try:
                 seq.block_table += self.pool.allocate(need)
             except Exception:
                 del self.requests[request_id]
+                cancel_load(seq)
                 self.pool.free(seq.block_table)
                 raise
             self.remote[request_id] = seq
-            skip = seq.num_l1 // self.cfg.block_size
+            skip = seq.num_cached // self.cfg.block_size
             dest = seq.block_table[skip:self.pool.blocks_for(len(prompt_ids))]
-            return dest, [self.pool.epoch[b] for b in dest], skip
+            return Reservation(dest, [self.pool.epoch[b] for b in dest], skip, load)
 
     def accept_kv(self, block_ids: list[int], epochs: list[int]) -> bool:
         """Whether a KV write may land: every block is still in the epoch the write was
@@ -349,6 +375,7 @@ class LLMEngine:
         quarantine: the reserved blocks stay out of the pool (see abort)."""
         with self.lock:
             seq = self.remote.pop(request_id)
+            cancel_load(seq)
             self._drop_blocks(seq, quarantine)
             self._attach_prefix(seq)
             self.scheduler.add(seq)
@@ -376,6 +403,9 @@ class LLMEngine:
             if not batch:
                 return []
             self._inflight = {s.seq.request_id for s in batch}
+        if self.spec is not None:
+            self.spec.propose(batch)      # draft forwards: fill s.drafts (without the lock)
+        with self.lock:
             input_ids, meta, sampled = self.prepare(batch)
         try:
             logits = self.model.forward(input_ids, meta, self.kv)
@@ -405,31 +435,37 @@ class LLMEngine:
                 s.seq.num_computed = s.seq.num_cached = s.seq.num_l1
 
     def prepare(self, batch: list[Scheduled]):
-        """Flat batch: single-token rows first (batched paged attention), then chunks."""
+        """Flat batch: decode rows first (batched paged attention), then chunks.
+        A speculative step's rows are its last token then its drafts, each attending like
+        a decode row over its own position; all of them are sampled."""
         bs = self.cfg.block_size
         det = self.cfg.deterministic
         # a lone decode row attends through SDPA on its exact context (cheaper than the
         # padded batched path at batch size 1)
-        decode = [] if det else [s for s in batch if s.n == 1]
-        if len(decode) == 1:
+        decode = [] if det else [s for s in batch if s.rows == 1 or s.drafts]
+        if sum(s.rows for s in decode) == 1:
             decode = []
         chunks = [s for s in batch if s not in decode]
         ids, pos, slots, spans, rows, sampled = [], [], [], [], [], []
         row = 0
         for s, is_chunk in [(s, False) for s in decode] + [(s, True) for s in chunks]:
             seq = s.seq
-            p = list(range(s.start, s.start + s.n))
-            ids += [seq.token_at(i) for i in p]
+            p = list(range(s.start, s.start + s.rows))
+            ids += [seq.token_at(i) for i in p[:s.n]] + s.drafts
             pos += p
             slots += [seq.block_table[i // bs] * bs + i % bs for i in p]
             if is_chunk:
-                ctx = s.start + s.n
+                ctx = s.start + s.rows
                 bt = torch.tensor(seq.block_table, dtype=torch.long)
                 ctx_slots = (bt.unsqueeze(1) * bs + torch.arange(bs)).flatten()[:ctx]
-                spans.append(SeqSpan(row, s.n, ctx, ctx_slots))
-            row += s.n
+                if det and s.drafts:   # each row exactly as its own decode step computes it
+                    spans += [SeqSpan(row + j, 1, i + 1, ctx_slots[:i + 1])
+                              for j, i in enumerate(p)]
+                else:
+                    spans.append(SeqSpan(row, s.rows, ctx, ctx_slots))
+            row += s.rows
             if s.samples:
-                rows.append(row - 1)
+                rows += range(row - 1 - len(s.drafts), row)
                 sampled.append(s)
         meta = BatchMeta(positions=torch.tensor(pos), slot_mapping=torch.tensor(slots),
                          spans=spans, logits_rows=torch.tensor(rows, dtype=torch.long))
@@ -438,11 +474,13 @@ class LLMEngine:
             meta.load_timeout_s = self.cfg.load_timeout_s
         if decode:
             nb = max(len(s.seq.block_table) for s in decode)
-            meta.num_decode = len(decode)
+            meta.num_decode = sum(s.rows for s in decode)
             meta.block_tables = torch.tensor(
-                [s.seq.block_table + [0] * (nb - len(s.seq.block_table)) for s in decode],
-                dtype=torch.int32)
-            meta.context_lens = torch.tensor([s.start + 1 for s in decode], dtype=torch.int32)
+                [s.seq.block_table + [0] * (nb - len(s.seq.block_table))
+                 for s in decode for _ in range(s.rows)], dtype=torch.int32)
+            meta.context_lens = torch.tensor([i + 1 for s in decode
+                                              for i in range(s.start, s.start + s.rows)],
+                                             dtype=torch.int32)
         if det:  # fixed shapes: pad rows and the LM head's M
             pad = self.cfg.max_num_batched_tokens - row
             ids += [0] * pad
@@ -456,23 +494,23 @@ class LLMEngine:
             s.seq.num_computed = s.start + s.n
             if s.seq.keys:
                 self._register(s.seq)
-        inputs = []
+        outs, r = [], 0
         V = logits.shape[-1]
         for s in sampled:
             seq, req = s.seq, self.requests[s.seq.request_id]
-            banned = req.proc.banned(len(seq.output_ids))
+            if s.drafts:              # rows r .. r+k: verify the drafts
+                outs.append(self.spec.verify(s, logits[r:r + s.rows]))
+                r += s.rows
+                continue
             allowed = req.constraint.mask(V) if req.constraint is not None else None
-            if allowed is not None and banned and not (
-                    allowed & ~_ids_mask(banned, V)).any():
-                banned = frozenset()      # the grammar can only end here: let it
-            inputs.append(SampleInput(seq.params, seq.seed, seq.num_tokens, seq.prompt_ids,
-                                      seq.output_ids, banned=banned, allowed_mask=allowed))
-        outs = []
-        for s, res in zip(sampled, sample(logits, inputs)):
-            state = self.requests[s.seq.request_id].constraint
-            if state is not None:
-                state.accept(res.token)   # sampled under its mask: always accepted
-            outs.append(self.append_token(s.seq, res.token, res))
+            si = SampleInput(seq.params, seq.seed, seq.num_tokens, seq.prompt_ids, seq.output_ids,
+                             banned=fit_banned(req.proc.banned(len(seq.output_ids)), allowed),
+                             allowed_mask=allowed)
+            res = sample(logits[r:r + 1], [si])[0]
+            r += 1
+            if req.constraint is not None:
+                req.constraint.accept(res.token)   # sampled under its mask: always accepted
+            outs.append(self.append_token(seq, res.token, res))
         return outs
 
     def append_token(self, seq: Sequence, token: int, res=None) -> RequestOutput:
@@ -488,7 +526,8 @@ class LLMEngine:
         out = RequestOutput(seq.request_id, [token], text, reason is not None, reason, stop_reason,
                             num_prompt_tokens=len(seq.prompt_ids),
                             num_output_tokens=len(seq.output_ids),
-                            num_cached_tokens=seq.num_cached)
+                            num_cached_tokens=seq.num_cached, spec_steps=seq.spec_steps,
+                            spec_proposed=seq.spec_proposed, spec_accepted=seq.spec_accepted)
         if res is not None and res.logprob is not None:
             out.logprobs.append((token, res.logprob, res.top_logprobs))
         if reason is not None:
@@ -520,9 +559,3 @@ class LLMEngine:
                 "blocks_free": self.pool.num_free, "blocks_used": self.pool.num_used,
                 "blocks_quarantined": self.num_quarantined, "blocks_total": self.pool.num_blocks,
                 **self.pool.stats(), **self.counters}
-
-
-def _ids_mask(ids, V: int) -> torch.Tensor:
-    m = torch.zeros(V, dtype=torch.bool)
-    m[torch.tensor(sorted(ids), dtype=torch.long)] = True
-    return m

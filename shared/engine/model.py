@@ -156,6 +156,18 @@ class Model:
         return out
 
 
+def kv_pool(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """A paged KV pool: [layers, 2, blocks, block_size, Hkv, D] zeros."""
+    return torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads,
+                       cfg.head_dim, dtype=dtype)
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block of kv_pool (every layer, K and V)."""
+    return (cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim
+            * torch.tensor([], dtype=dtype).element_size())
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w.T (+ b). A single row goes through mv: on CPU it streams the weight ~1.7x
     faster than the GEMM path (measured with bf16 weights, one thread). Deterministic

@@ -15,7 +15,7 @@ from shared.contracts.sampling import SamplingParams
 @dataclass(slots=True)
 class RequestOutput:
     request_id: str
-    new_token_ids: list[int]
+    new_token_ids: list[int]                # one or more (a speculative step emits several)
     text: str = ""                          # new text since the last output
     finished: bool = False
     finish_reason: str | None = None        # "stop" | "length" | "abort"
@@ -24,6 +24,11 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0              # prompt tokens served from a prefix cache
+    # speculative decoding, cumulative for the request: verification steps, drafts
+    # proposed, drafts accepted (accept length = (accepted + steps) / steps)
+    spec_steps: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
 
 
 class OutputProcessor:

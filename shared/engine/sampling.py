@@ -46,6 +46,15 @@ class SampleOutput:
     top_logprobs: list[tuple[int, float]] | None = None
 
 
+def fit_banned(banned: frozenset[int], allowed_mask: torch.Tensor | None) -> frozenset[int]:
+    """The ban (EOS below min_tokens) yields when the grammar can only end here."""
+    if allowed_mask is None or not banned:
+        return banned
+    rest = allowed_mask.clone()
+    rest[torch.tensor(sorted(banned), dtype=torch.long)] = False
+    return banned if bool(rest.any()) else frozenset()
+
+
 def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt_ids, output_ids) -> torch.Tensor:
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long)

@@ -11,11 +11,17 @@ Deterministic mode keeps every shape a sequence sees independent of its neighbou
 prefill chunks are aligned to multiples of chunk_size and never split by the row
 budget, and a sequence is admitted only with blocks for its whole budget
 (prompt + max_tokens) so it is never preempted and recomputed.
+
+Speculative decoding: a decode step may carry k extra rows for draft tokens (`lookahead`,
+set by the engine, says how many the sequence may take). Rows and blocks are reserved for
+them here; they shrink to what fits rather than preempt anyone (deterministic mode: the
+step waits instead, so k never depends on the neighbours).
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from .block_pool import BlockPool
 from .config import EngineConfig
@@ -27,11 +33,19 @@ class Scheduled:
     seq: Sequence
     start: int      # first position computed this step (== seq.num_computed)
     n: int          # tokens computed this step
+    k: int = 0      # rows reserved for draft tokens (speculative decode step)
+    drafts: list[int] = field(default_factory=list)   # proposed, len <= k (spec.runner)
+    draft_probs: object = None     # [len(drafts), V] draft distribution (sampled requests)
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the sequence's last token (so a token is sampled)."""
         return self.start + self.n == self.seq.num_tokens
+
+    @property
+    def rows(self) -> int:
+        """Rows of the target forward: the tokens, then the drafts they verify."""
+        return self.n + len(self.drafts)
 
 
 class Scheduler:
@@ -40,6 +54,7 @@ class Scheduler:
         self.pool = pool
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.lookahead: Callable[[Sequence], int] | None = None   # drafts a decode may take
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -64,6 +79,19 @@ class Scheduler:
     def _blocks_needed(self, seq: Sequence, upto: int) -> int:
         return max(0, self.pool.blocks_for(upto) - len(seq.block_table))
 
+    def _drafts(self, seq: Sequence, n: int, budget: int) -> int:
+        """Draft rows for a decode step: what lookahead allows, shrunk to the free rows
+        and blocks (never a preemption); -1: deterministic mode, wait for a whole step."""
+        if self.lookahead is None or seq.remaining != 1 or not seq.output_ids:
+            return 0
+        k = self.lookahead(seq)
+        if self.cfg.deterministic and n + k > budget:
+            return -1
+        k = min(k, budget - n)
+        while k and self._blocks_needed(seq, seq.num_computed + n + k) > self.pool.num_free:
+            k -= 1
+        return k
+
     def _reserve_tokens(self, seq: Sequence, n: int) -> int:
         if self.cfg.deterministic:  # whole budget up front: never preempted
             return len(seq.prompt_ids) + seq.params.max_tokens
@@ -76,9 +104,10 @@ class Scheduler:
             if seq not in self.running:   # preempted below by an older sequence
                 continue
             n = self._chunk(seq, budget)
-            if n == 0:
+            k = self._drafts(seq, n, budget) if n else 0
+            if n == 0 or k < 0:
                 continue
-            need = self._blocks_needed(seq, seq.num_computed + n)
+            need = self._blocks_needed(seq, seq.num_computed + n + k)
             while need > self.pool.num_free:
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -88,9 +117,9 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue
             seq.block_table += self.pool.allocate(need)
-            out.append(Scheduled(seq, seq.num_computed, n))
-            budget -= n
-        budget = self.cfg.max_num_batched_tokens - sum(s.n for s in out)
+            out.append(Scheduled(seq, seq.num_computed, n, k))
+            budget -= n + k
+        budget = self.cfg.max_num_batched_tokens - sum(s.n + s.k for s in out)
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
             n = self._chunk(seq, budget)
@@ -114,6 +143,7 @@ class Scheduler:
         self.pool.free(seq.block_table)
         seq.block_table = []
         seq.num_computed = seq.num_registered = seq.num_l1 = seq.num_cached = 0
+        seq.draft_computed = 0
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 

@@ -39,6 +39,13 @@ class Sequence:
     num_l1: int = 0
     num_cached: int = 0
     load: object = None                # layer_load.LayerLoad while lower-tier KV arrives
+    # speculative decoding: positions whose draft KV this sequence computed (it never
+    # trusts draft KV it did not compute: cached, loaded and remote blocks hold target KV
+    # only), and cumulative counts of verification steps, drafts proposed and accepted
+    draft_computed: int = 0
+    spec_steps: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
 
     @property
     def num_tokens(self) -> int:

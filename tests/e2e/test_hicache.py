@@ -122,6 +122,8 @@ def test_l2_hits_with_slow_layer_loads(l2_mesh, prompts, reference):
     assert all(c >= 384 for c in cached[1:]), cached
     assert kv["l2_hits"] >= 19 * 24 and kv["l3_entries"] == 0
     assert pre["kv_loads"] >= 19 and pre["kv_load_failures"] == 0 and pre["l1_hit_blocks"] == 0
+    dec = asyncio.run(micro_stats(l2_mesh.nats_url, "decode"))
+    assert dec["kv_loads"] >= 19 and dec["kv_load_failures"] == 0   # decode loads the prefix too
 
 
 def _disk_bytes(root: Path) -> int:
@@ -229,3 +231,15 @@ def test_cache_aware_routing_and_metrics(tiny_target, prompts, tiny_tokenizer):
     assert vals["pdmesh_routed_prefix_warm_total"] >= 6
     assert vals["pdmesh_prompt_tokens_cached_total"] >= 6 * 384
     assert "pdmesh_kvstore_l2_bytes" in vals and vals["pdmesh_kvstore_l2_entries"] > 0
+
+
+def test_selective_write_policy_stores_a_prefix_the_second_time(tiny_target, prompts, reference):
+    with _mesh(tiny_target, {}, l1=False, write_policy="write_through_selective") as mesh:
+        got, cached = run_prompts(mesh, prompts[:1], seed_first=False)
+        time.sleep(1.0)
+        assert asyncio.run(micro_stats(mesh.nats_url, "kvstore")).get("blocks_stored", 0) == 0
+        got2, _ = run_prompts(mesh, prompts[1:2], seed_first=False)   # same 400-token context
+        st = asyncio.run(_stored(mesh.nats_url, 24))
+        got3, cached3 = run_prompts(mesh, prompts[2:3], seed_first=False)
+    assert got + got2 + got3 == reference[:3]
+    assert st["blocks_stored"] == 24 and cached3 == [384]

@@ -16,10 +16,10 @@ def engine(model, **kw) -> LLMEngine:
 
 def test_fence_refuses_a_write_whose_blocks_moved_on(tiny_target):
     eng = engine(tiny_target)
-    blocks, epochs, _ = eng.reserve_remote("a", list(range(20)), P)
+    blocks, epochs, _, _ = eng.reserve_remote("a", list(range(20)), P)
     assert eng.accept_kv(blocks, epochs)
     eng.abort("a")
-    blocks_b, epochs_b, _ = eng.reserve_remote("b", list(range(20)) * 6, P)
+    blocks_b, epochs_b, _, _ = eng.reserve_remote("b", list(range(20)) * 6, P)
     assert set(blocks) & set(blocks_b)            # a's blocks went to b
     assert not eng.accept_kv(blocks, epochs)      # a's late write is fenced
     assert eng.accept_kv(blocks_b, epochs_b)
@@ -28,7 +28,7 @@ def test_fence_refuses_a_write_whose_blocks_moved_on(tiny_target):
 
 def test_fence_switched_off_lets_every_write_land(tiny_target):
     eng = engine(tiny_target, epoch_fence=False)
-    blocks, epochs, _ = eng.reserve_remote("a", list(range(20)), P)
+    blocks, epochs, _, _ = eng.reserve_remote("a", list(range(20)), P)
     eng.abort("a")
     eng.reserve_remote("b", list(range(20)) * 6, P)
     assert eng.accept_kv(blocks, epochs)          # TEST ONLY: the unfenced system
@@ -36,10 +36,10 @@ def test_fence_switched_off_lets_every_write_land(tiny_target):
 
 def test_quarantined_blocks_are_never_handed_out_until_released(tiny_target):
     eng = engine(tiny_target)
-    blocks, _, _ = eng.reserve_remote("a", list(range(60)), P)      # 4 of 8 blocks
+    blocks, _, _, _ = eng.reserve_remote("a", list(range(60)), P)      # 4 of 8 blocks
     eng.abort("a", quarantine=True)
     assert eng.stats()["blocks_quarantined"] == 4 and eng.pool.num_free == 4
-    got, _, _ = eng.reserve_remote("b", list(range(60)), P)
+    got, _, _, _ = eng.reserve_remote("b", list(range(60)), P)
     assert not set(got) & set(blocks)
     eng.abort("b")
     assert eng.release_quarantined("a") == 4
@@ -48,7 +48,7 @@ def test_quarantined_blocks_are_never_handed_out_until_released(tiny_target):
 
 def test_prefill_locally_can_quarantine_the_reserved_blocks(tiny_target):
     eng = engine(tiny_target)
-    blocks, _, _ = eng.reserve_remote("a", list(range(20)), P)
+    blocks, _, _, _ = eng.reserve_remote("a", list(range(20)), P)
     eng.prefill_locally("a", quarantine=True)
     assert eng.quarantined["a"] == blocks
     while eng.has_unfinished:
