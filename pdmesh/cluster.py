@@ -109,7 +109,8 @@ class Cluster:
                  log_dir: str | os.PathLike | None = None,
                  startup_timeout_s: float = 300.0, stop_timeout_s: float = 10.0):
         """port/nats_port 0: a free port. overrides: per service, config fields to set
-        (e.g. {"decode": {"num_blocks": 64}}). echo: True prints `[name] line` to stdout,
+        (e.g. {"decode": {"num_blocks": 64}}); a key naming one instance ("decode-0")
+        sets fields of that instance only, over its service's. echo: True prints `[name] line` to stdout,
         False prints nothing, or a stream / callable that takes each prefixed line."""
         self.model = str(model)
         self.counts = {"kvstore": 1 if kvstore else 0, "prefill": prefill, "decode": decode,
@@ -124,13 +125,20 @@ class Cluster:
                         "threads": threads},
             "kvstore": {},
         }
-        for service, kv in (overrides or {}).items():
-            if service not in self.settings:
-                raise ValueError(f"unknown service {service!r} in overrides")
-            self.settings[service].update(kv)
+        self.instance_settings: dict[str, dict[str, Any]] = {}   # "decode-0" -> fields
+        for key, kv in (overrides or {}).items():
+            service, _, index = key.partition("-")
+            if service not in self.settings or (index and not index.isdigit()):
+                raise ValueError(f"unknown service or instance {key!r} in overrides")
+            if index:
+                self.instance_settings[key] = dict(kv)
+            else:
+                self.settings[service].update(kv)
         for service, kv in self.settings.items():   # fail now, not after nats started
             if self.counts[service] or service in (overrides or {}):
                 _known(service, kv | {"nats_url": "", "instance_id": ""})
+        for key, kv in self.instance_settings.items():
+            _known(key.partition("-")[0], kv)
         self.extra_env = dict(extra_env or {})
         self.echo = _echo_fn(echo)
         self.log_dir = Path(log_dir) if log_dir else None
@@ -281,7 +289,8 @@ class Cluster:
     def _new_proc(self, service: str) -> Proc:
         index = sum(1 for p in self.procs.values() if p.service == service)
         name, iid = f"{service}-{index}", f"{service}_{index}"
-        settings = {"nats_url": self.nats_url, "instance_id": iid} | self.settings[service]
+        settings = ({"nats_url": self.nats_url, "instance_id": iid} | self.settings[service]
+                    | self.instance_settings.get(name, {}))
         if service == "gateway":
             settings |= {"host": self.host, "port": self.port}
         if service == "kvstore" and "disk_dir" not in settings:   # L3 files die with the run

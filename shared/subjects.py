@@ -105,6 +105,10 @@ def request_event(event: str) -> str:           # e.g. aborted, redispatched
     return _subject("evt", "request", event)
 
 
+def request_anomaly() -> str:                   # decode: AnomalyEvent (speculative monitor)
+    return request_event("anomaly")
+
+
 # ---- bench ---------------------------------------------------------------------------
 def bench_raw(run: str) -> str:                 # pdmesh bench: raw request/reply baseline
     return _subject("bench", "raw", run)

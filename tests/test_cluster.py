@@ -73,6 +73,18 @@ def test_unknown_setting_is_refused_before_anything_starts():
         Cluster(model="unused", overrides={"kvstore": {"num_blocks": 4}})
 
 
+def test_instance_overrides_apply_to_that_instance_only():
+    c = Cluster(model="unused", decode=2, echo=False,
+                overrides={"decode": {"num_blocks": 64}, "decode-0": {"fault_repeat_loop": True}})
+    first, second = c._new_proc("decode"), c._new_proc("decode")   # argv only, not started
+    assert "--fault-repeat-loop" in first.argv and "--fault-repeat-loop" not in second.argv
+    assert all("--num-blocks" in p.argv for p in (first, second))
+    with pytest.raises(ValueError, match="unknown service or instance"):
+        Cluster(model="unused", overrides={"decode-x": {}})
+    with pytest.raises(ValueError, match="decode has no setting"):
+        Cluster(model="unused", overrides={"decode-1": {"bogus": 1}})
+
+
 async def test_async_context_manager_does_not_block_the_loop():
     async with Cluster(model="unused", prefill=0, decode=0, gateway=False, echo=False) as c:
         await c.arestart_nats()

@@ -83,3 +83,25 @@ def test_bad_input_is_refused():
                 dict(min_proposed_high=0), dict(min_tokens_low=-1)):
         with pytest.raises(ValueError):
             MonitorConfig(**bad)
+
+
+def test_cumulative_totals_answer_like_steps():
+    """observe_totals (the engine's cumulative RequestOutput.spec_* counters) fires at the
+    same point as per-step observe; outputs without a new step only move generated."""
+    steps, totals = AnomalyMonitor(), AnomalyMonitor()
+    n = proposed = accepted = 0
+    gen = 1
+    for i in range(300):
+        a = (0, 1, 0, 0)[i % 4]        # accept length 1.25: low_accept_length after 128
+        gen += a + 1
+        n, proposed, accepted = n + 1, proposed + 4, accepted + a
+        want = steps.observe("r", 4, a, a + 1, gen)
+        assert totals.observe_totals("r", n, proposed, accepted, gen) == want
+        assert totals.observe_totals("r", n, proposed, accepted, gen) is None   # no new step
+        if want is not None:
+            assert (want, gen) == (LOW_ACCEPT_LENGTH, 129)
+    assert totals.stats("r").accept_length == steps.stats("r").accept_length == 1.25
+    assert totals.counts == steps.counts
+    assert AnomalyMonitor().observe_totals("q", 0, 0, 0, 400) is None   # never speculated
+    with pytest.raises(ValueError):
+        AnomalyMonitor().observe_totals("q", 1, 4, 5, 10)

@@ -5,6 +5,9 @@ from dataclasses import dataclass, field
 
 from shared.engine.config import EngineConfig
 
+from .faults import REPEAT_LOOP, parse_kinds
+from .monitor import MonitorConfig
+
 
 @dataclass
 class DecodeConfig:
@@ -43,7 +46,30 @@ class DecodeConfig:
         "help": "speculative decoding: the draft model's HF folder ('' : none)"})
     num_speculative_tokens: int = field(default=4, metadata={
         "help": "draft tokens verified per decode step (0: no speculation)"})
+    # anomaly monitor (invariant 5): only when speculating (draft_model set)
+    monitor: bool = field(default=True, metadata={
+        "help": "abort a request whose speculative acceptance looks like corrupted state; "
+                "the gateway re-dispatches it"})
+    monitor_accept_length_low: float = field(default=1.4, metadata={
+        "help": "low_accept_length: mean accept length (accepted + steps) / steps below this"})
+    monitor_min_tokens_low: int = field(default=128, metadata={
+        "help": "low_accept_length: only once more than this many tokens were generated"})
+    monitor_accept_rate_high: float = field(default=0.96, metadata={
+        "help": "high_accept_rate: accepted / proposed drafts above this"})
+    monitor_min_proposed_high: int = field(default=128, metadata={
+        "help": "high_accept_rate: only once at least this many drafts were proposed"})
     # test-only fault injection (off by default)
+    fault_corrupt_kv: str = field(default="", metadata={
+        "help": "TEST ONLY: corrupt selected PD requests' received prompt KV before they "
+                "decode: zero_layer, swap, noise (comma-separated; see faults.py)"})
+    fault_noise_scale: float = field(default=1.0, metadata={
+        "help": "TEST ONLY: noise fault: Gaussian noise of this many times the KV's std"})
+    fault_repeat_loop: bool = field(default=False, metadata={
+        "help": "TEST ONLY: push selected requests into a repetition loop (logit bias)"})
+    fault_select_seed_mod: int = field(default=0, metadata={
+        "help": "TEST ONLY: a request whose sampling seed is a multiple of N gets a fault: "
+                "kind number (seed / N) mod (number of kinds), kinds as listed above, "
+                "repeat_loop last (0: none)"})
     fault_drop_constraint_in_job: bool = field(default=False, metadata={
         "help": "TEST ONLY: send prefill jobs without their constraint"})
     fault_no_reclaim_ack: bool = field(default=False, metadata={
@@ -58,6 +84,21 @@ class DecodeConfig:
             raise ValueError("--model (PDMESH_MODEL) is required")
         if self.reclaim_lease_s <= 0 or self.reclaim_timeout_s <= 0:
             raise ValueError("reclaim_lease_s and reclaim_timeout_s must be > 0")
+        self.monitor_config()          # raises on bad thresholds
+        parse_kinds(self.fault_corrupt_kv)
+        if self.fault_select_seed_mod < 0:
+            raise ValueError("fault_select_seed_mod must be >= 0")
+
+    def monitor_config(self) -> MonitorConfig:
+        return MonitorConfig(min_tokens_low=self.monitor_min_tokens_low,
+                             accept_length_low=self.monitor_accept_length_low,
+                             accept_rate_high=self.monitor_accept_rate_high,
+                             min_proposed_high=self.monitor_min_proposed_high,
+                             enabled=self.monitor)
+
+    def fault_kinds(self) -> tuple[str, ...]:
+        return parse_kinds(self.fault_corrupt_kv) + ((REPEAT_LOOP,) if self.fault_repeat_loop
+                                                     else ())
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(

@@ -63,6 +63,8 @@ class RequestSpecStats:
 
 @dataclass
 class AnomalyMonitor:
+    """observe() per verification step, or observe_totals() with cumulative counters;
+    forget() when the request ends."""
     config: MonitorConfig = field(default_factory=MonitorConfig)
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RULES, 0))
     _stats: dict[str, RequestSpecStats] = field(default_factory=dict, repr=False)
@@ -83,6 +85,24 @@ class AnomalyMonitor:
             st.proposed += proposed
             st.accepted += accepted
             st.emitted += emitted
+        return self._check(st)
+
+    def observe_totals(self, request_id: str, steps: int, proposed: int, accepted: int,
+                       generated_total: int) -> str | None:
+        """The request's cumulative counters, as the engine reports them on every output
+        (RequestOutput.spec_*): emitted = accepted + steps (one correction/bonus token per
+        step, SGLang's accept length). Same answer as observe()."""
+        if not self.config.enabled:
+            return None
+        if not (0 <= accepted <= proposed and 0 <= steps <= proposed) or generated_total < 0:
+            raise ValueError(f"bad totals: steps={steps} proposed={proposed} "
+                             f"accepted={accepted} generated_total={generated_total}")
+        st = self._stats.setdefault(request_id, RequestSpecStats())
+        st.steps, st.proposed, st.accepted = steps, proposed, accepted
+        st.emitted, st.generated = accepted + steps, generated_total
+        return self._check(st)
+
+    def _check(self, st: RequestSpecStats) -> str | None:
         if st.fired is not None or not st.steps:
             return None
         st.fired = self._rule(st)

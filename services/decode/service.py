@@ -9,6 +9,10 @@ Life cycle of a request:
         blocks (epoch-fenced) -> PrefillDone (first token, writes issued) -> join the
         continuous batch.
   -> every engine step streams TokenChunks to the gateway -> finished or aborted.
+With speculative decoding on, every output also feeds the anomaly monitor (monitor.py,
+invariant 5): a request it flags is aborted like any other, AnomalyEvent goes out on
+pdmesh.evt.request.anomaly, and the gateway gets an ANOMALY error chunk (and
+re-dispatches the request elsewhere). faults.py corrupts selected requests for tests.
 Every abort (gateway Abort: client gone, timeout, explicit; decode shutdown; a failed or
 silent prefill, whose request is then prefilled here in fresh blocks) goes through the
 lifecycle: blocks that a claimed attempt may still write are quarantined, the attempt is
@@ -21,13 +25,14 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared import subjects
 from shared.contracts.common import Codec, ContractError, ErrorCode, ErrorReply, Ok, encode
 from shared.contracts.kv import KvWrite, KvWriteAck, checksum
-from shared.contracts.messages import (Abort, DecodeSubmit, Heartbeat, KvDestination, Path,
-                                       PrefillDone, PrefillStatus, SubmitAck, TokenChunk)
+from shared.contracts.messages import (Abort, AnomalyEvent, DecodeSubmit, Heartbeat,
+                                       KvDestination, Path, PrefillDone, PrefillStatus,
+                                       SubmitAck, TokenChunk)
 from shared.contracts.reclaim import ClaimReply, PrefillClaim, Reclaim, ReclaimAck
 from shared.engine.block_pool import NoFreeBlocks
 from shared.engine.engine import LLMEngine
@@ -39,9 +44,11 @@ from shared.jobqueue import ensure_stream
 from shared.kvstore_client import KvstoreClient
 from shared.service import ServiceError, ServiceRuntime, decode_reply, new_instance_id
 
+from . import faults
 from .config import DecodeConfig
 from .jobs import make_prefill_job
 from .lifecycle import WANTS_KV, Lifecycle, Next, Plan, State
+from .monitor import RULES, AnomalyMonitor
 
 log = logging.getLogger("pdmesh.decode")
 RECLAIM_ACK = Codec(ReclaimAck)
@@ -56,6 +63,9 @@ class Tracked:
     submitted: float
     chunks: int = 0                                       # TokenChunks sent (their seq)
     cached_tokens: int = 0                                # prefill's prefix-cache hit
+    fault: str | None = None                              # TEST ONLY: faults.select()
+    fault_seed: int = 0
+    kv_blocks: list[int] = field(default_factory=list)    # PD: the blocks prefill writes
 
 
 class DecodeService:
@@ -74,6 +84,12 @@ class DecodeService:
         self.accepting = True
         self.counters = {"pd": 0, "colocated": 0, "kv_writes_applied": 0, "kv_writes_fenced": 0,
                          "kv_bytes": 0, "prefill_fallbacks": 0}
+        speculating = self.engine.cfg.speculative and cfg.monitor
+        self.monitor = AnomalyMonitor(cfg.monitor_config()) if speculating else None
+        self.fault_kinds = cfg.fault_kinds()
+        self.faults_injected = dict.fromkeys(self.fault_kinds, 0)
+        self.repeat_token = (self.engine.tokenizer.encode(" the")[-1]
+                             if self.engine.tokenizer is not None else 1)
 
     # ---- lifecycle --------------------------------------------------------------------
     async def start(self) -> None:
@@ -129,9 +145,12 @@ class DecodeService:
 
     def stats(self) -> dict:
         kvc = self.kvc.counters if hasattr(self, "kvc") else {}
+        counts = self.monitor.counts if self.monitor is not None else {}
+        anomalies = {f"anomaly_{rule}": counts.get(rule, 0) for rule in RULES}
+        injected = {f"fault_{k}_injected": n for k, n in self.faults_injected.items()}
         return (self.engine.stats() | {"awaiting_kv": len(self.engine.remote),
                                        "requests": len(self.tracked)}
-                | self.counters | self.life.stats() | kvc)
+                | self.counters | self.life.stats() | kvc | anomalies | injected)
 
     # ---- handlers ---------------------------------------------------------------------
     async def on_submit(self, sub: DecodeSubmit) -> bytes:
@@ -144,28 +163,35 @@ class DecodeService:
         if sub.request_id in self.tracked or self.life.state(sub.request_id) is not None:
             raise ServiceError(ErrorCode.INVALID_REQUEST, "duplicate request id", sub.request_id)
         rid = sub.request_id
+        fault = faults.select(sub.params.seed, self.cfg.fault_select_seed_mod, self.fault_kinds)
+        params = sub.params
+        if fault == faults.REPEAT_LOOP:
+            params = faults.repeat_loop(params, self.repeat_token)
         try:
-            self.engine.check_request(sub.prompt_ids, sub.params)
+            self.engine.check_request(sub.prompt_ids, params)
             path = self.choose_path(sub)
             if path is Path.PD:
                 tier = 0
                 if self.cfg.kvstore:
                     tier = await self.kvc.lookup(self.engine.prefix_keys(sub.prompt_ids))
-                res = self.engine.reserve_remote(rid, sub.prompt_ids, sub.params,
+                res = self.engine.reserve_remote(rid, sub.prompt_ids, params,
                                                  sub.constraint, tier_blocks=tier)
                 blocks, epochs, skip = res.blocks, res.epochs, res.skip
                 if res.load is not None:
                     self.rt.spawn(self.kvc.load(self.engine, res.load))
             else:
-                self.engine.add_request(rid, sub.prompt_ids, sub.params,
-                                        constraint=sub.constraint)
+                self.engine.add_request(rid, sub.prompt_ids, params, constraint=sub.constraint)
         except NoFreeBlocks:
             path = Path.COLOCATED   # queue locally rather than refuse
-            self.engine.add_request(rid, sub.prompt_ids, sub.params, constraint=sub.constraint)
+            self.engine.add_request(rid, sub.prompt_ids, params, constraint=sub.constraint)
         except ValueError as e:     # limits, ids, an uncompilable constraint
             raise ServiceError(ErrorCode.INVALID_REQUEST, str(e), rid) from e
         tr = Tracked(sub.reply_subject, path, time.monotonic())
         self.tracked[rid] = tr
+        if fault == faults.REPEAT_LOOP:
+            self.faults_injected[fault] += 1
+        elif fault is not None and path is Path.PD:     # KV faults: applied once it arrived
+            tr.fault, tr.fault_seed, tr.kv_blocks = fault, sub.params.seed, list(blocks)
         if path is Path.PD:
             self.life.admit_remote(rid, blocks, epochs)
             try:
@@ -248,8 +274,11 @@ class DecodeService:
             self.fallback_local(rid, "prefill_failed")
         elif nxt is Next.START:
             self.life.start(rid)
-            if rid in self.tracked:
-                self.tracked[rid].cached_tokens = done.cached_tokens
+            tr = self.tracked.get(rid)
+            if tr is not None:
+                tr.cached_tokens = done.cached_tokens
+                if tr.fault is not None:
+                    self.inject_kv_fault(rid, tr)
             try:
                 out = self.engine.start_remote(rid, done.first_token, done.first_logprob,
                                                done.first_top_logprobs)
@@ -278,6 +307,18 @@ class DecodeService:
             return
         self.prefill_seen[hb.instance_id] = time.monotonic()
 
+    def inject_kv_fault(self, rid: str, tr: Tracked) -> None:
+        """TEST ONLY: corrupt the prompt KV prefill wrote, before the request decodes."""
+        eng = self.engine
+        with eng.lock:
+            others = [b for s in eng.scheduler.running if s.request_id != rid
+                      for b in s.block_table[:eng.pool.blocks_for(s.num_computed)]]
+            faults.corrupt(tr.fault, eng.kv, tr.kv_blocks, tr.fault_seed, others,
+                           self.cfg.fault_noise_scale)
+        self.faults_injected[tr.fault] += 1
+        log.warning("%s: TEST ONLY fault %s injected into %d KV blocks", rid, tr.fault,
+                    len(tr.kv_blocks))
+
     # ---- engine loop ------------------------------------------------------------------
     async def engine_loop(self) -> None:
         await run_engine_loop(self.engine, self.executor, self.wake, self.publish_all,
@@ -305,27 +346,60 @@ class DecodeService:
         tr = self.tracked.get(o.request_id)
         if tr is None:
             return
+        if self.monitor is not None:
+            rule = self.monitor.observe_totals(o.request_id, o.spec_steps, o.spec_proposed,
+                                               o.spec_accepted, o.num_output_tokens)
+            if rule is not None:   # this output's tokens are not sent: they are suspect
+                await self.on_anomaly(o, rule)
+                return
         chunk = TokenChunk(request_id=o.request_id, token_ids=o.new_token_ids, text=o.text,
                            logprobs=o.logprobs, finished=o.finished,
                            finish_reason=o.finish_reason, stop_reason=o.stop_reason,
                            prompt_tokens=o.num_prompt_tokens,
                            completion_tokens=o.num_output_tokens, path=tr.path,
                            seq=tr.chunks,
-                           cached_tokens=self.cached_tokens(o, tr))
+                           cached_tokens=self.cached_tokens(o, tr),
+                           spec_steps=o.spec_steps, spec_proposed=o.spec_proposed,
+                           spec_accepted=o.spec_accepted)
         tr.chunks += 1
         if o.finished:
             self.tracked.pop(o.request_id, None)
             self.life.finish(o.request_id)
+            if self.monitor is not None:
+                self.monitor.forget(o.request_id)
         try:
             await self.rt.nc.publish(tr.reply_subject, encode(chunk))
         except Exception as e:  # noqa: BLE001 - gateway notices via its own timeouts
             log.warning("%s: cannot publish tokens: %s", o.request_id, e)
+
+    async def on_anomaly(self, o: RequestOutput, rule: str) -> None:
+        """Invariant 5: the monitor flagged the request. Abort it like any other (reclaim
+        applies) with an ANOMALY error the gateway acts on, then tell whoever listens."""
+        st = self.monitor.stats(o.request_id)
+        ev = AnomalyEvent(request_id=o.request_id, instance_id=self.iid, rule=rule,
+                          accept_length=round(st.accept_length, 4),
+                          accept_rate=round(st.accept_rate, 4),
+                          generated_tokens=o.num_output_tokens, ts=time.time())
+        log.warning("%s: anomaly %s (accept length %.2f, accept rate %.3f, %d tokens); "
+                    "aborting", o.request_id, rule, ev.accept_length, ev.accept_rate,
+                    ev.generated_tokens)
+        await self.fail(o.request_id, ErrorCode.ANOMALY,
+                        f"speculative decoding acceptance anomaly ({rule}: accept length "
+                        f"{ev.accept_length:.2f}, accept rate {ev.accept_rate:.3f} after "
+                        f"{ev.generated_tokens} tokens); the output is discarded",
+                        reason="anomaly", rule=rule)
+        try:
+            await self.rt.nc.publish(subjects.request_anomaly(), encode(ev))
+        except Exception as e:  # noqa: BLE001 - the request is handled; only the event is lost
+            log.warning("%s: cannot publish the anomaly event: %s", o.request_id, e)
 
     # ---- aborts and reclaims --------------------------------------------------------
     def abort(self, rid: str, reason: str) -> Tracked | None:
         """Every abort path ends here: the request leaves the batch; blocks a prefill may
         still write are quarantined and their writers asked to stop."""
         tr = self.tracked.pop(rid, None)
+        if self.monitor is not None:
+            self.monitor.forget(rid)
         plan = self.life.abort(rid, reason, time.monotonic())
         if plan is Plan.QUARANTINE:
             self.engine.abort(rid, quarantine=True)
@@ -334,12 +408,13 @@ class DecodeService:
             self.engine.abort(rid)
         return tr
 
-    async def fail(self, rid: str, code: ErrorCode, message: str, reason: str) -> None:
+    async def fail(self, rid: str, code: ErrorCode, message: str, reason: str,
+                   rule: str = "") -> None:
         tr = self.abort(rid, reason)
         if tr is not None:
             err = ErrorReply(code=code, message=message, request_id=rid)
             chunk = TokenChunk(request_id=rid, finished=True, finish_reason="abort", error=err,
-                               path=tr.path, seq=tr.chunks)
+                               path=tr.path, seq=tr.chunks, anomaly_rule=rule)
             try:
                 await self.rt.nc.publish(tr.reply_subject, encode(chunk))
             except Exception:  # noqa: BLE001

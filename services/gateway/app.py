@@ -60,7 +60,8 @@ class Gateway:
         await self.runtime.start()
         self.client = DecodeClient(self.runtime.nc, self.registry, self.cfg.instance_id,
                                    self.spec.tokenizer.fingerprint, self.cfg.submit_timeout_s,
-                                   self.cfg.request_timeout_s)
+                                   self.cfg.request_timeout_s,
+                                   max_redispatch=self.cfg.max_redispatch)
         await self.client.start()
         self.runtime.spawn(self.runtime.run(heartbeat=self._heartbeat))
         log.info("gateway %s serving %s (context %d) via %s", self.cfg.instance_id,

@@ -34,6 +34,9 @@ class GatewayConfig:
         "on SIGTERM, let in-flight requests finish for this long"))
     max_body_bytes: int = field(default=32 << 20, metadata=_help(
         "larger request bodies get 413"))
+    max_redispatch: int = field(default=2, metadata=_help(
+        "a request decode aborted for an acceptance anomaly goes to another decode instance "
+        "at most this many times (only while nothing of it reached the client)"))
 
     def __post_init__(self):
         if not self.model:
@@ -49,5 +52,7 @@ class GatewayConfig:
             raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_redispatch < 0:
+            raise ValueError(f"max_redispatch must be >= 0, got {self.max_redispatch}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")

@@ -13,6 +13,9 @@ Life cycle of a request:
               fails the request within seconds instead of hanging it.
   abort       Abort(request_id, reason) to the instance (client gone, timeout, shutdown).
   release     forget the queue; later chunks for the id are counted and dropped.
+  redispatch  after decode aborted the request for an acceptance anomaly (invariant 5):
+              the same submission (prompt, params with the resolved seed, constraint) to
+              an instance that has not had it, at most max_redispatch times per request.
 """
 from __future__ import annotations
 
@@ -47,11 +50,24 @@ RETRY_ELSEWHERE = {ErrorCode.OVERLOADED, ErrorCode.SHUTTING_DOWN, ErrorCode.TOKE
 # a failed request's error code -> HTTP status: the client's fault, unavailable, or a peer fault
 _STATUS = {ErrorCode.INVALID_REQUEST: 400, ErrorCode.OVERLOADED: 503,
            ErrorCode.SHUTTING_DOWN: 503, ErrorCode.INSTANCE_LOST: 503, ErrorCode.ABORTED: 503,
-           ErrorCode.PREFILL_FAILED: 503}
+           ErrorCode.PREFILL_FAILED: 503, ErrorCode.ANOMALY: 503}
+RETRY_HINT = {ErrorCode.ANOMALY: "; the output so far may be wrong and was not completed: "
+                                 "retry the request (a new attempt is served afresh)"}
 
 
 class ClientGone(Exception):
     """The HTTP client disconnected while its request was being served."""
+
+
+@dataclass(slots=True)
+class Submission:
+    """What decode is asked to serve, kept for a re-dispatch."""
+    request_id: str
+    prompt_ids: list[int] = field(repr=False)
+    params: SamplingParams     # seed resolved: every instance produces the same tokens
+    constraint: Constraint
+    force_path: Path | None
+    tried: set[str] = field(default_factory=set)   # instances it was sent to
 
 
 @dataclass(slots=True)
@@ -61,24 +77,28 @@ class Dispatch:
     instance: str
     path: Path
     queue: asyncio.Queue = field(repr=False)
+    sub: Submission = field(repr=False)
     finished: bool = False     # decode has ended it (no abort needed)
+    redispatches: int = 0      # earlier dispatches of the request that decode aborted
 
 
 def chunk_error(err: ErrorReply, instance: str) -> OpenAIError:
     status = _STATUS.get(err.code, 502)
-    return OpenAIError(status, f"decode instance {instance}: {err.message}", code=err.code.value)
+    return OpenAIError(status, f"decode instance {instance}: {err.message}"
+                               f"{RETRY_HINT.get(err.code, '')}", code=err.code.value)
 
 
 class DecodeClient:
     def __init__(self, nc, registry: Registry, instance_id: str, fingerprint: str,
                  submit_timeout_s: float, request_timeout_s: float, tick_s: float = 0.5,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, max_redispatch: int = 2):
         self.nc = nc
         self.registry = registry
         self.reply_subject = subjects.gateway_tokens(instance_id)
         self.fingerprint = fingerprint
         self.submit_timeout_s = submit_timeout_s
         self.request_timeout_s = request_timeout_s
+        self.max_redispatch = max_redispatch
         self.tick_s = min(tick_s, registry.dead_after_s / 4)
         self.clock = clock
         self.queues: dict[str, asyncio.Queue] = {}
@@ -120,7 +140,29 @@ class DecodeClient:
                      constraint: Constraint, force_path: str | None = None) -> Dispatch:
         if params.seed is None:
             params = msgspec.structs.replace(params, seed=self._rng.getrandbits(63))
-        tried: set[str] = set()
+        return await self._send(Submission(request_id, prompt_ids, params, constraint,
+                                           Path(force_path) if force_path else None))
+
+    async def redispatch(self, d: Dispatch) -> Dispatch | None:
+        """d was aborted for an acceptance anomaly: the same submission to an instance
+        that has not had it. None when d's request was already re-dispatched
+        max_redispatch times, or no such instance takes it (the caller then reports the
+        anomaly)."""
+        if d.redispatches >= self.max_redispatch:
+            return None
+        try:
+            nd = await self._send(d.sub)
+        except OpenAIError as e:
+            log.warning("%s: re-dispatch failed: %s", d.sub.request_id, e.message)
+            return None
+        nd.redispatches = d.redispatches + 1
+        return nd
+
+    async def _send(self, sub: Submission) -> Dispatch:
+        """To the best instance not yet tried; refusals that another may not share move
+        on to the next (under a fresh request id)."""
+        tried = sub.tried
+        prompt_ids, request_id = sub.prompt_ids, sub.request_id
         reasons: list[str] = []
         cached = self.affinity.best(prompt_ids)
         while (inst := self.registry.choose(self.clock(), tried, cached)) is not None:
@@ -128,10 +170,9 @@ class DecodeClient:
             tried.add(inst)
             queue: asyncio.Queue = asyncio.Queue()
             self.queues[rid] = queue
-            msg = DecodeSubmit(request_id=rid, prompt_ids=prompt_ids, params=params,
-                               constraint=constraint, tokenizer_fingerprint=self.fingerprint,
-                               reply_subject=self.reply_subject,
-                               force_path=Path(force_path) if force_path else None)
+            msg = DecodeSubmit(request_id=rid, prompt_ids=prompt_ids, params=sub.params,
+                               constraint=sub.constraint, tokenizer_fingerprint=self.fingerprint,
+                               reply_subject=self.reply_subject, force_path=sub.force_path)
             try:
                 reply = await self.nc.request(subjects.decode_submit(inst), encode(msg),
                                               timeout=self.submit_timeout_s)
@@ -172,7 +213,7 @@ class DecodeClient:
             self.registry.sent(inst)
             self.routed_warm += cached.get(inst, 0) > 0
             self.affinity.record(prompt_ids, inst)
-            return Dispatch(rid, inst, ack.path, queue)
+            return Dispatch(rid, inst, ack.path, queue, sub)
         why = self.registry.why_none(self.clock(), tried)
         if not self.nc.is_connected:
             why += " (this gateway is not connected to NATS)"

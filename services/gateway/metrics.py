@@ -14,6 +14,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+ACCEPT_LENGTH_BUCKETS = (1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.25, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
 
 
 def _escape(v: str) -> str:
@@ -86,11 +87,22 @@ class Metrics:
                                      "Prompt tokens served from a prefix cache (L1/L2/L3), not computed.")
         self.itl = Histogram("pdmesh_inter_token_latency_seconds",
                              "Time between generated tokens of one request.", ITL_BUCKETS)
+        self.spec_accept_length = Histogram(
+            "pdmesh_spec_accept_length", "Speculative decoding: mean tokens per verification "
+            "step of each finished request (the bonus/correction token included).",
+            ACCEPT_LENGTH_BUCKETS)
+        self.anomaly_aborts = Counter("pdmesh_anomaly_aborts_total",
+                                      "Requests decode aborted for a speculative-acceptance "
+                                      "anomaly, by monitor rule.")
+        self.redispatches = Counter("pdmesh_redispatches_total",
+                                    "Anomaly-aborted requests sent to another decode instance.")
+        self.redispatches.inc(0)       # exposed from the start
 
     def render(self, gauges: dict[str, tuple[str, float]]) -> str:
         lines: list[str] = []
         for m in (self.requests, self.failures, self.placements, self.prompt_tokens,
-                  self.cached_tokens, self.ttft, self.itl):
+                  self.cached_tokens, self.anomaly_aborts, self.redispatches, self.ttft,
+                  self.itl, self.spec_accept_length):
             lines += m.render()
         for name, (help_, value) in gauges.items():
             lines += [f"# HELP {name} {help_}", f"# TYPE {name} gauge", f"{name} {_num(value)}"]

@@ -169,6 +169,14 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
+def spec_usage(steps: int, proposed: int, accepted: int) -> dict:
+    """pdmesh's usage extension when speculative decoding ran: mean tokens per verification
+    step, the bonus/correction token included (SGLang's spec_accept_length), and the share
+    of drafted tokens accepted."""
+    return {"spec_accept_length": round((accepted + steps) / steps, 4),
+            "spec_accept_rate": round(accepted / proposed, 4) if proposed else 0.0}
+
+
 def chat_completion(rid: str, created: int, model: str, text: str | None,
                     finish_reason: str | None, usage_: dict, logprobs: dict | None = None,
                     tool_calls: list[dict] | None = None) -> dict:

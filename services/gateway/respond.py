@@ -7,15 +7,24 @@ With tools on (Options.tool_calls), the output is parsed into OpenAI tool calls
 (shared.toolcalls): a whole answer gets message.tool_calls (content None when the output is
 only calls); a stream gets `delta.tool_calls` (each call whole when its close tag arrives).
 Either way finish_reason is "tool_calls" when there is at least one call.
+
+Re-dispatch (invariant 5) happens in one place, next_chunk(): when decode aborts the
+request for a speculative-acceptance anomaly and nothing of it has reached the client (a
+whole answer: always; a stream: no delta after the role chunk), the request goes to
+another decode instance and the answer starts afresh. Once a stream has sent content it
+cannot be restarted without the client seeing a splice of two generations, so it ends
+with an SSE error event (code anomaly_detected) that tells the client to retry.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 
 from aiohttp import web
 
+from shared.contracts.common import ErrorCode
 from shared.contracts.messages import TokenChunk
 from shared.toolcalls import ToolCallStreamParser, parse_tool_calls
 
@@ -25,20 +34,30 @@ from .metrics import Metrics
 from .protocol import OpenAIError
 from .validate import Prepared
 
+log = logging.getLogger("pdmesh.gateway")
+
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
 
 
 class Answer:
-    """What has come back so far: text, token counts, logprobs, finish; feeds the metrics."""
+    """What has come back so far: text, token counts, logprobs, finish; feeds the metrics.
+    restart() forgets it all for a re-dispatch."""
 
     def __init__(self, prep: Prepared, d: Dispatch, arrival: float, metrics: Metrics,
-                 token_text: Callable[[int], str]):
-        self.prep, self.d, self.arrival, self.metrics = prep, d, arrival, metrics
-        self.token_text = token_text
+                 token_text: Callable[[int], str], rid: str):
+        self.prep, self.arrival, self.metrics = prep, arrival, metrics
+        self.token_text, self.rid = token_text, rid
+        self.sent = False           # a stream wrote output to the client: no restart
+        self._last_token_at: float | None = None
+        self.restart(d)
+
+    def restart(self, d: Dispatch) -> None:
+        """Serve the request from dispatch d, from its first token."""
+        self.d = d
         self.parts: list[str] = []
         self.token_ids: list[int] = []
-        self.prompt_tokens = len(prep.prompt_ids)
+        self.prompt_tokens = len(self.prep.prompt_ids)
         self.counted = 0            # tokens received
         self.reported = 0           # decode's cumulative count, when it sends one
         self.cached_tokens = 0      # prompt tokens served from a prefix cache
@@ -46,7 +65,10 @@ class Answer:
         self.chat_lp: list[dict] = []
         self.cmpl_lp: dict | None = None
         self.lp_offset = 0          # completions logprobs text_offset
-        self._last_token_at: float | None = None
+        self.spec = (0, 0, 0)       # speculative steps, drafts proposed, drafts accepted
+        o = self.prep.options
+        self.parser = (ToolCallStreamParser(self.rid) if o.stream and o.chat and o.tool_calls
+                       else None)
 
     def add(self, chunk: TokenChunk) -> tuple[str, dict | None]:
         """Account one chunk; returns (new text, its logprobs in the wire format or None).
@@ -64,10 +86,15 @@ class Answer:
         if chunk.prompt_tokens:
             self.prompt_tokens = chunk.prompt_tokens
         self.cached_tokens = max(self.cached_tokens, chunk.cached_tokens)
+        if chunk.spec_steps:
+            self.spec = (chunk.spec_steps, chunk.spec_proposed, chunk.spec_accepted)
         if chunk.finished:
             self.finish_reason = chunk.finish_reason
             self.metrics.prompt_tokens.inc(self.prompt_tokens)
             self.metrics.cached_tokens.inc(self.cached_tokens)
+            if self.spec[0]:
+                self.metrics.spec_accept_length.observe(P.spec_usage(*self.spec)
+                                                        ["spec_accept_length"])
         self.parts.append(chunk.text)
         self.token_ids += chunk.token_ids
         return chunk.text, self._logprobs(chunk)
@@ -96,7 +123,8 @@ class Answer:
 
     @property
     def usage(self) -> dict:
-        return P.usage(self.prompt_tokens, self.reported or self.counted, self.cached_tokens)
+        u = P.usage(self.prompt_tokens, self.reported or self.counted, self.cached_tokens)
+        return u | P.spec_usage(*self.spec) if self.spec[0] else u
 
     def all_logprobs(self) -> dict | None:
         if not self.prep.options.logprobs:
@@ -106,16 +134,37 @@ class Answer:
         return self.cmpl_lp or P.completion_logprobs([], self.token_text, 0)
 
 
+async def next_chunk(client: DecodeClient, ans: Answer, deadline: float,
+                     gone: Callable[[], bool]) -> TokenChunk:
+    """The request's next chunk. An anomaly abort re-dispatches the request while nothing
+    reached the client (and DecodeClient.redispatch finds an instance and has attempts
+    left); otherwise the error chunk is returned, for Answer.add to raise."""
+    while True:
+        c = await client.next_chunk(ans.d, deadline, gone)
+        if c.error is None or c.error.code is not ErrorCode.ANOMALY:
+            return c
+        ans.metrics.anomaly_aborts.inc(rule=c.anomaly_rule or "unknown")
+        ans.d.finished = True                   # decode ended it: no abort to send
+        nd = None if ans.sent else await client.redispatch(ans.d)
+        if nd is None:
+            return c
+        log.info("%s: anomaly (%s) on %s; re-dispatched to %s", ans.rid, c.anomaly_rule,
+                 ans.d.instance, nd.instance)
+        ans.metrics.redispatches.inc()
+        client.release(ans.d)
+        ans.restart(nd)
+
+
 async def answer(request: web.Request, client: DecodeClient, d: Dispatch, prep: Prepared,
                  rid: str, arrival: float, metrics: Metrics,
                  token_text: Callable[[int], str]) -> web.StreamResponse:
     deadline = arrival + client.request_timeout_s
-    ans = Answer(prep, d, arrival, metrics, token_text)
+    ans = Answer(prep, d, arrival, metrics, token_text, rid)
     reason = "client"
     try:
         if prep.options.stream:
-            return await _stream(request, client, d, ans, rid, deadline)
-        return await _complete(request, client, d, ans, rid, deadline)
+            return await _stream(request, client, ans, rid, deadline)
+        return await _complete(request, client, ans, rid, deadline)
     except OpenAIError as e:
         reason = e.code or "error"
         metrics.failures.inc(code=reason)
@@ -124,8 +173,8 @@ async def answer(request: web.Request, client: DecodeClient, d: Dispatch, prep: 
         metrics.failures.inc(code="client_gone")
         raise
     finally:
-        await client.abort(d, reason)     # no-op when decode finished it
-        client.release(d)
+        await client.abort(ans.d, reason)     # no-op when decode finished it
+        client.release(ans.d)
 
 
 def _client_gone(request: web.Request) -> Callable[[], bool]:
@@ -135,10 +184,11 @@ def _client_gone(request: web.Request) -> Callable[[], bool]:
     return gone
 
 
-async def _complete(request, client, d, ans: Answer, rid, deadline) -> web.Response:
+async def _complete(request, client, ans: Answer, rid, deadline) -> web.Response:
     gone = _client_gone(request)
-    while not d.finished:
-        ans.add(await client.next_chunk(d, deadline, gone))
+    while not ans.d.finished:
+        ans.add(await next_chunk(client, ans, deadline, gone))
+    d = ans.d
     o = ans.prep.options
     created = int(time.time())
     text = "".join(ans.parts)
@@ -157,8 +207,8 @@ async def _complete(request, client, d, ans: Answer, rid, deadline) -> web.Respo
                         headers={"x-pdmesh-path": d.path.value, "x-pdmesh-decode": d.instance})
 
 
-async def _stream(request, client, d, ans: Answer, rid, deadline) -> web.StreamResponse:
-    o = ans.prep.options
+async def _stream(request, client, ans: Answer, rid, deadline) -> web.StreamResponse:
+    o, d = ans.prep.options, ans.d
     created = int(time.time())
     resp = web.StreamResponse(headers=SSE_HEADERS | {"x-pdmesh-path": d.path.value, "x-pdmesh-decode": d.instance})
     await resp.prepare(request)
@@ -175,7 +225,9 @@ async def _stream(request, client, d, ans: Answer, rid, deadline) -> web.StreamR
             body["choices"][0]["token_ids"] = ids
         return P.sse(body)
 
-    parser = ToolCallStreamParser(rid) if o.chat and o.tool_calls else None
+    async def write(data: bytes) -> None:
+        ans.sent = True
+        await resp.write(data)
 
     async def write_deltas(deltas: list[dict], lp: dict | None, ids: list[int] | None) -> None:
         """Parser deltas, one chunk each; a TokenChunk's logprobs / token ids ride on the
@@ -187,24 +239,24 @@ async def _stream(request, client, d, ans: Answer, rid, deadline) -> web.StreamR
                                 o.include_usage)
             if ids and k == 0:
                 body["choices"][0]["token_ids"] = ids
-            await resp.write(P.sse(body))
+            await write(P.sse(body))
 
     gone = _client_gone(request)
     try:
         if o.chat:
             await resp.write(chunk("", role=True))
-        while not d.finished:
-            c = await client.next_chunk(d, deadline, gone)
+        while not ans.d.finished:
+            c = await next_chunk(client, ans, deadline, gone)
             text, lp = ans.add(c)
-            if parser is not None:
-                await write_deltas(parser.feed(text) if text else [], lp,
+            if ans.parser is not None:
+                await write_deltas(ans.parser.feed(text) if text else [], lp,
                                    c.token_ids if o.return_token_ids else None)
             elif text or lp or (o.return_token_ids and c.token_ids):
-                await resp.write(chunk(text, lp=lp, ids=c.token_ids))
+                await write(chunk(text, lp=lp, ids=c.token_ids))
         finish = ans.finish_reason
-        if parser is not None:
-            await write_deltas(parser.finish(), None, None)
-            if parser.has_tool_calls:
+        if ans.parser is not None:
+            await write_deltas(ans.parser.finish(), None, None)
+            if ans.parser.has_tool_calls:
                 finish = "tool_calls"
         await resp.write(chunk("", finish=finish))
         if o.include_usage:
@@ -212,7 +264,7 @@ async def _stream(request, client, d, ans: Answer, rid, deadline) -> web.StreamR
     except OpenAIError as e:
         # headers are gone: the error travels as an SSE event, then [DONE]
         ans.metrics.failures.inc(code=e.code or "error")
-        await client.abort(d, e.code or "error")
+        await client.abort(ans.d, e.code or "error")
         await resp.write(P.sse(e.body()))
     await resp.write(P.SSE_DONE)
     await resp.write_eof()

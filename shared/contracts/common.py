@@ -20,6 +20,7 @@ class ErrorCode(str, enum.Enum):
     INSTANCE_LOST = "instance_lost"
     SHUTTING_DOWN = "shutting_down"
     INTERNAL = "internal"
+    ANOMALY = "anomaly_detected"             # the speculative monitor aborted the request
 
 
 class ErrorReply(msgspec.Struct, frozen=True, kw_only=True):

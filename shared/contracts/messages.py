@@ -101,6 +101,26 @@ class TokenChunk(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     error: ErrorReply | None = None
     seq: int = 0                      # per request, from 0: a gap means a lost chunk
     cached_tokens: int = 0            # prompt tokens served from a prefix cache
+    # speculative decoding, cumulative for the request (0 when it did not speculate):
+    # verification steps, drafts proposed, drafts accepted
+    spec_steps: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    anomaly_rule: str = ""            # with error ANOMALY: the monitor rule that fired
+
+
+class AnomalyEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """decode -> pdmesh.evt.request.anomaly: the speculative monitor aborted a request
+    (invariant 5). accept_length = (accepted + steps) / steps, accept_rate = accepted /
+    proposed, both over the request so far."""
+    v: int = VERSION
+    request_id: str
+    instance_id: str
+    rule: str                         # services.decode.monitor.RULES
+    accept_length: float
+    accept_rate: float
+    generated_tokens: int
+    ts: float = 0.0
 
 
 class Abort(msgspec.Struct, frozen=True, kw_only=True):
