@@ -1,12 +1,25 @@
 """Decode service settings (flags --foo-bar, env PDMESH_FOO_BAR)."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from shared.engine.config import EngineConfig
 
 from .faults import REPEAT_LOOP, parse_kinds
 from .monitor import MonitorConfig
+
+
+def calibration(draft_model: str) -> dict:
+    """The monitor thresholds calibrated for a draft (empty when it ships none)."""
+    path = Path(draft_model) / "monitor.json" if draft_model else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text()).get("thresholds", {})
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
 
 
 @dataclass
@@ -50,12 +63,14 @@ class DecodeConfig:
     monitor: bool = field(default=True, metadata={
         "help": "abort a request whose speculative acceptance looks like corrupted state; "
                 "the gateway re-dispatches it"})
-    monitor_accept_length_low: float = field(default=1.4, metadata={
-        "help": "low_accept_length: mean accept length (accepted + steps) / steps below this"})
+    monitor_accept_length_low: float = field(default=0.0, metadata={
+        "help": "low_accept_length: mean accept length (accepted + steps) / steps below this "
+                "(0: the draft folder's monitor.json calibration, else 1.4)"})
     monitor_min_tokens_low: int = field(default=128, metadata={
         "help": "low_accept_length: only once more than this many tokens were generated"})
-    monitor_accept_rate_high: float = field(default=0.96, metadata={
-        "help": "high_accept_rate: accepted / proposed drafts above this"})
+    monitor_accept_rate_high: float = field(default=0.0, metadata={
+        "help": "high_accept_rate: accepted / proposed drafts above this "
+                "(0: the draft folder's monitor.json calibration, else 0.96)"})
     monitor_min_proposed_high: int = field(default=128, metadata={
         "help": "high_accept_rate: only once at least this many drafts were proposed"})
     # test-only fault injection (off by default)
@@ -90,9 +105,16 @@ class DecodeConfig:
             raise ValueError("fault_select_seed_mod must be >= 0")
 
     def monitor_config(self) -> MonitorConfig:
+        """Thresholds: a flag wins; else the calibration shipped with the draft
+        (<draft_model>/monitor.json, made by scripts/bench_monitor.py from clean traffic,
+        because what a clean acceptance looks like depends on the draft/target pair);
+        else the design defaults (1.4, 0.96)."""
+        cal = calibration(self.draft_model)
         return MonitorConfig(min_tokens_low=self.monitor_min_tokens_low,
-                             accept_length_low=self.monitor_accept_length_low,
-                             accept_rate_high=self.monitor_accept_rate_high,
+                             accept_length_low=(self.monitor_accept_length_low
+                                                or cal.get("accept_length_low", 1.4)),
+                             accept_rate_high=(self.monitor_accept_rate_high
+                                               or cal.get("accept_rate_high", 0.96)),
                              min_proposed_high=self.monitor_min_proposed_high,
                              enabled=self.monitor)
 
