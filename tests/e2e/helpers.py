@@ -22,17 +22,22 @@ async def complete(http: aiohttp.ClientSession, url: str, prompt_ids, path=None,
         return data["choices"][0]["token_ids"], r.headers
 
 
+async def sse_events(resp: aiohttp.ClientResponse):
+    """The JSON events of an SSE response, up to [DONE]."""
+    async for raw in resp.content:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        yield json.loads(line[6:])
+
+
 async def stream_tokens(http: aiohttp.ClientSession, url: str, prompt_ids, path=None,
                         **kw) -> list[int]:
     toks: list[int] = []
     async with http.post(url + "/v1/completions",
                          json=body(prompt_ids, path, stream=True, **kw)) as r:
         assert r.status == 200, await r.text()
-        async for raw in r.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in sse_events(r):
             assert "error" not in chunk, chunk
             for ch in chunk["choices"]:
                 toks += ch.get("token_ids") or []

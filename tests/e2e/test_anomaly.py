@@ -39,7 +39,7 @@ from shared.contracts.sampling import SamplingParams
 from shared.toolcalls import parse_tool_calls
 
 from .conftest import DET, det_overrides, reference_engine
-from .helpers import body, micro_stats
+from .helpers import body, micro_stats, sse_events
 
 MOD = 1000                           # fault_select_seed_mod: seeds k * MOD are faulty
 KINDS = ("zero_layer", "swap", "noise", "repeat_loop")   # fault kind k % 4
@@ -222,11 +222,7 @@ def test_stream_that_already_sent_tokens_gets_an_error_event_with_a_retry_hint(
                     prompt, stream=True, temperature=0.0, max_tokens=MAX_TOKENS,
                     ignore_eos=True, seed=seed("noise", 5))) as r:
                 assert r.status == 200
-                async for raw in r.content:
-                    line = raw.decode().strip()
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
+                async for chunk in sse_events(r):
                     if "error" in chunk:
                         error = chunk["error"]
                         continue

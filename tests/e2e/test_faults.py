@@ -3,7 +3,6 @@ within seconds, never hangs."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import aiohttp
@@ -12,7 +11,7 @@ from pdmesh.cluster import Cluster
 from shared.contracts.sampling import SamplingParams
 
 from .conftest import DET, det_overrides, reference_engine
-from .helpers import complete, micro_stats
+from .helpers import complete, micro_stats, sse_events
 
 CHAT = {"model": "tiny-target", "messages": [{"role": "user", "content": "Write code."}]}
 
@@ -26,11 +25,7 @@ def test_decode_killed_mid_stream_gives_error_event_fast(tiny_target):
                         "stream": True, "max_tokens": 3000, "ignore_eos": True}) as r:
                     assert r.status == 200
                     n, t_kill, error = 0, None, None
-                    async for raw in r.content:
-                        line = raw.decode().strip()
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        chunk = json.loads(line[6:])
+                    async for chunk in sse_events(r):
                         if "error" in chunk:
                             error = chunk["error"]
                             break
