@@ -29,6 +29,7 @@ run: smollm2
 test: venv
 	@# tests/test_compose.py validates compose.yaml with Debian's docker-compose (no engine needed)
 	@command -v docker-compose >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq docker-compose; }
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q tests
 
 bench: smollm2

@@ -86,4 +86,5 @@ def check_device(op: str, *tensors: torch.Tensor) -> None:
 def check_inner_contiguous(op: str, **tensors: torch.Tensor) -> None:
     for name, t in tensors.items():
         if t.stride(-1) != 1:
-            raise ValueError(f"{op}: {name} must have stride 1 in its last dim, got strides {tuple(t.stride())}")
+            raise ValueError(f"{op}: {name} must have stride 1 in its last dim, got strides "
+                             f"{tuple(t.stride())}")

@@ -110,8 +110,8 @@ class Cluster:
                  startup_timeout_s: float = 300.0, stop_timeout_s: float = 10.0):
         """port/nats_port 0: a free port. overrides: per service, config fields to set
         (e.g. {"decode": {"num_blocks": 64}}); a key naming one instance ("decode-0")
-        sets fields of that instance only, over its service's. echo: True prints `[name] line` to stdout,
-        False prints nothing, or a stream / callable that takes each prefixed line."""
+        sets fields of that instance only, over its service's. echo: True prints `[name] line`
+        to stdout, False prints nothing, or a stream / callable that takes each prefixed line."""
         self.model = str(model)
         self.counts = {"kvstore": 1 if kvstore else 0, "prefill": prefill, "decode": decode,
                        "gateway": 1 if gateway else 0}
@@ -322,7 +322,8 @@ class Cluster:
         await p.terminate(self.stop_timeout_s)
         p.spawn(self._emit, self.log_dir)
         if wait:
-            await (self._wait_nats(30.0) if name == "nats" else self._wait_ready(self.startup_timeout_s))
+            await (self._wait_nats(30.0) if name == "nats"
+                   else self._wait_ready(self.startup_timeout_s))
 
     async def _add(self, service: str, wait: bool) -> str:
         p = self._new_proc(service)

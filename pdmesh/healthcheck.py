@@ -64,7 +64,8 @@ async def check_nats(service: str, nats_url: str, instance_id: str | None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pdmesh.healthcheck", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m pdmesh.healthcheck",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("service", choices=SERVICES)
     ap.add_argument("--nats-url", default=os.environ.get("PDMESH_NATS_URL", "nats://127.0.0.1:4222"))
     ap.add_argument("--instance-id", default=os.environ.get("PDMESH_INSTANCE_ID") or None)

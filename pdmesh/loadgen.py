@@ -9,6 +9,7 @@ import time
 
 from .rawnats import BenchError, log
 
+
 # ---- statistics ------------------------------------------------------------------------------
 def percentile(xs: list[float], q: float) -> float | None:
     """Linear interpolation between closest ranks (numpy's default)."""

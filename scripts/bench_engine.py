@@ -149,7 +149,6 @@ def main() -> None:
 
     tok = Tokenizer.from_pretrained(args.model)
     prompts = [tok.encode(p) for p in (CODE_PROMPTS * 2)[:args.prompts]]
-    dtype = getattr(torch, args.dtype)
     log(f"model {args.model} dtype {args.dtype} threads {torch.get_num_threads()}")
     bw = memcpy_bandwidth()
     log(f"memcpy {bw['copy_bytes_per_s'] / 1e9:.1f} GB/s copied")

@@ -44,7 +44,13 @@ CONFIGS = {
 
 
 def corpus(tok) -> list[int]:
-    import argparse as a, asyncio as b, json as c, logging as d, pathlib as e, shlex as f, textwrap as g
+    import argparse as a
+    import asyncio as b
+    import json as c
+    import logging as d
+    import pathlib as e
+    import shlex as f
+    import textwrap as g
     return tok.encode("\n".join(inspect.getsource(m) for m in (a, b, c, d, e, f, g)))
 
 

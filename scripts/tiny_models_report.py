@@ -15,7 +15,6 @@ import json
 from pathlib import Path
 
 
-
 def held_loss(model, windows, bs: int = 8) -> float:
     import torch
     import torch.nn.functional as F

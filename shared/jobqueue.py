@@ -5,8 +5,7 @@ from __future__ import annotations
 import logging
 
 from nats.js import JetStreamContext
-from nats.js.api import (AckPolicy, ConsumerConfig, RetentionPolicy, StorageType,
-                         StreamConfig)
+from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError
 
 from shared import subjects

@@ -164,7 +164,8 @@ class ToolCallStreamParser:
             name, arguments = parsed
             call = tool_call(self.request_id, self.num_calls, name, "")
             out.append({"tool_calls": [{"index": self.num_calls, **call}]})
-            out.append({"tool_calls": [{"index": self.num_calls, "function": {"arguments": arguments}}]})
+            out.append({"tool_calls": [{"index": self.num_calls,
+                                        "function": {"arguments": arguments}}]})
             self.num_calls += 1
             self._after_call = True
         self._ws_before = ""

@@ -3,8 +3,13 @@ from __future__ import annotations
 
 import pytest
 
-from services.decode.monitor import (HIGH_ACCEPT_RATE, LOW_ACCEPT_LENGTH, AnomalyMonitor,
-                                     MonitorConfig, RequestSpecStats)
+from services.decode.monitor import (
+    HIGH_ACCEPT_RATE,
+    LOW_ACCEPT_LENGTH,
+    AnomalyMonitor,
+    MonitorConfig,
+    RequestSpecStats,
+)
 
 
 def run(mon, rid, steps, k, accepted, start=1):

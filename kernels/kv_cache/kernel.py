@@ -78,7 +78,8 @@ def _scatter_blocks_kernel(
 
 def _check_cache(op: str, name: str, cache: torch.Tensor) -> None:
     if cache.dim() != 4:
-        raise ValueError(f"{op}: {name} must be [num_blocks, block_size, Hkv, D], got shape {tuple(cache.shape)}")
+        raise ValueError(f"{op}: {name} must be [num_blocks, block_size, Hkv, D], got shape "
+                         f"{tuple(cache.shape)}")
 
 
 def _check_block_ids(op: str, block_ids: torch.Tensor) -> None:
@@ -100,7 +101,8 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
     op = "write_kv"
     _check_cache(op, "k_cache", k_cache)
     if v_cache.shape != k_cache.shape:
-        raise ValueError(f"{op}: v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
+        raise ValueError(f"{op}: v_cache shape {tuple(v_cache.shape)} != k_cache shape "
+                         f"{tuple(k_cache.shape)}")
     _, BS, Hkv, D = k_cache.shape
     if k.dim() != 3 or k.shape[1:] != (Hkv, D) or v.shape != k.shape:
         raise ValueError(f"{op}: k and v must both be [T, Hkv={Hkv}, D={D}], "
@@ -114,7 +116,8 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
                          f"k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
     check_inner_contiguous(op, k=k, v=v, k_cache=k_cache, v_cache=v_cache)
     if k_cache.stride() != v_cache.stride():
-        raise ValueError(f"{op}: k_cache and v_cache strides differ: {k_cache.stride()} vs {v_cache.stride()}")
+        raise ValueError(f"{op}: k_cache and v_cache strides differ: {k_cache.stride()} vs "
+                         f"{v_cache.stride()}")
     if not slot_mapping.is_contiguous():
         raise ValueError(f"{op}: slot_mapping must be contiguous")
     check_device(op, k, v, k_cache, v_cache, slot_mapping)
@@ -147,7 +150,8 @@ def gather_blocks_triton(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.
 
 
 def scatter_blocks_triton(cache: torch.Tensor, block_ids: torch.Tensor, data: torch.Tensor) -> None:
-    """cache[block_ids[i]] = data[i], in place. Duplicate ids leave either block; ids are not range-checked."""
+    """cache[block_ids[i]] = data[i], in place. Duplicate ids leave either block; ids are not
+    range-checked."""
     op = "scatter_blocks"
     _check_cache(op, "cache", cache)
     _check_block_ids(op, block_ids)

@@ -10,7 +10,8 @@ __all__ = ["paged_attention_decode", "paged_attention_decode_ref", "paged_attent
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float) -> torch.Tensor:
-    # q: [B, Hq, D]; caches: [NB, BS, Hkv, D]; block_tables: [B, max_blocks] int32; context_lens: [B] int32
+    # q: [B, Hq, D]; caches: [NB, BS, Hkv, D]; block_tables: [B, max_blocks] int32;
+    # context_lens: [B] int32
     if q.is_cuda:
         return paged_attention_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
     return paged_attention_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale)

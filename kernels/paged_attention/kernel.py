@@ -63,8 +63,10 @@ def _paged_attention_decode_kernel(
         # offs_t < BLOCK_SIZE matters when BLOCK_SIZE is not a power of two
         mask_t = (offs_t < BLOCK_SIZE) & (j * BLOCK_SIZE + offs_t < ctx_len)
         kv_mask = mask_t[:, None] & mask_d[None, :]
-        k = tl.load(k_cache_ptr + block * stride_cb + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_cache_ptr + block * stride_cb + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
+        k = tl.load(k_cache_ptr + block * stride_cb + kv_offs, mask=kv_mask,
+                    other=0.0).to(tl.float32)
+        v = tl.load(v_cache_ptr + block * stride_cb + kv_offs, mask=kv_mask,
+                    other=0.0).to(tl.float32)
 
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, BS]
         s = tl.where(mask_t[None, :], s, float("-inf"))
@@ -87,9 +89,11 @@ def _check_inputs(q, k_cache, v_cache, block_tables, context_lens) -> None:
     if q.dim() != 3:
         raise ValueError(f"{op}: q must be [B, Hq, D], got shape {tuple(q.shape)}")
     if k_cache.dim() != 4:
-        raise ValueError(f"{op}: k_cache must be [num_blocks, block_size, Hkv, D], got shape {tuple(k_cache.shape)}")
+        raise ValueError(f"{op}: k_cache must be [num_blocks, block_size, Hkv, D], got shape "
+                         f"{tuple(k_cache.shape)}")
     if v_cache.shape != k_cache.shape:
-        raise ValueError(f"{op}: v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
+        raise ValueError(f"{op}: v_cache shape {tuple(v_cache.shape)} != k_cache shape "
+                         f"{tuple(k_cache.shape)}")
     B, Hq, D = q.shape
     _, _, Hkv, Dk = k_cache.shape
     if Dk != D:
@@ -97,21 +101,25 @@ def _check_inputs(q, k_cache, v_cache, block_tables, context_lens) -> None:
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"{op}: Hq={Hq} must be a multiple of Hkv={Hkv}")
     if block_tables.dim() != 2 or block_tables.shape[0] != B:
-        raise ValueError(f"{op}: block_tables must be [B={B}, max_blocks], got shape {tuple(block_tables.shape)}")
+        raise ValueError(f"{op}: block_tables must be [B={B}, max_blocks], got shape "
+                         f"{tuple(block_tables.shape)}")
     if tuple(context_lens.shape) != (B,):
-        raise ValueError(f"{op}: context_lens must be [B={B}], got shape {tuple(context_lens.shape)}")
+        raise ValueError(f"{op}: context_lens must be [B={B}], got shape "
+                         f"{tuple(context_lens.shape)}")
 
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"{op}: q dtype {q.dtype} not supported; use one of {SUPPORTED_DTYPES}")
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"{op}: dtype mismatch: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+        raise ValueError(f"{op}: dtype mismatch: q {q.dtype}, k_cache {k_cache.dtype}, v_cache "
+                         f"{v_cache.dtype}")
     if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
         raise ValueError(f"{op}: block_tables and context_lens must be int32, "
                          f"got {block_tables.dtype} and {context_lens.dtype}")
 
     check_inner_contiguous(op, q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables)
     if k_cache.stride() != v_cache.stride():
-        raise ValueError(f"{op}: k_cache and v_cache strides differ: {k_cache.stride()} vs {v_cache.stride()}")
+        raise ValueError(f"{op}: k_cache and v_cache strides differ: {k_cache.stride()} vs "
+                         f"{v_cache.stride()}")
     if not context_lens.is_contiguous():
         raise ValueError(f"{op}: context_lens must be contiguous")
     check_device(op, q, k_cache, v_cache, block_tables, context_lens)
@@ -120,7 +128,8 @@ def _check_inputs(q, k_cache, v_cache, block_tables, context_lens) -> None:
 def paged_attention_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor,
                                   scale: float) -> torch.Tensor:
-    """out[B, Hq, D] = softmax(q . K^T * scale) . V over each sequence's first context_lens[b] tokens.
+    """out[B, Hq, D] = softmax(q . K^T * scale) . V over each sequence's first context_lens[b]
+    tokens.
 
     Block-table entries past cdiv(context_lens[b], block_size) are never read (any padding
     value works). Values are not checked (that would sync the device): context_lens[b] must

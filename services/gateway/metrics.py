@@ -84,7 +84,8 @@ class Metrics:
         self.prompt_tokens = Counter("pdmesh_prompt_tokens_total",
                                      "Prompt tokens of finished requests.")
         self.cached_tokens = Counter("pdmesh_prompt_tokens_cached_total",
-                                     "Prompt tokens served from a prefix cache (L1/L2/L3), not computed.")
+                                     "Prompt tokens served from a prefix cache (L1/L2/L3), "
+                                     "not computed.")
         self.itl = Histogram("pdmesh_inter_token_latency_seconds",
                              "Time between generated tokens of one request.", ITL_BUCKETS)
         self.spec_accept_length = Histogram(

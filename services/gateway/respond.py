@@ -210,7 +210,8 @@ async def _complete(request, client, ans: Answer, rid, deadline) -> web.Response
 async def _stream(request, client, ans: Answer, rid, deadline) -> web.StreamResponse:
     o, d = ans.prep.options, ans.d
     created = int(time.time())
-    resp = web.StreamResponse(headers=SSE_HEADERS | {"x-pdmesh-path": d.path.value, "x-pdmesh-decode": d.instance})
+    resp = web.StreamResponse(headers=SSE_HEADERS | {"x-pdmesh-path": d.path.value,
+                                                     "x-pdmesh-decode": d.instance})
     await resp.prepare(request)
 
     def chunk(text: str, finish: str | None = None, lp: dict | None = None,

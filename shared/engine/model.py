@@ -73,7 +73,8 @@ class Model:
             L.qkv_b = (torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"),
                                   w("self_attn.v_proj.bias")]) if cfg.attention_bias else None)
             L.o_w = w("self_attn.o_proj.weight")
-            L.gate_up_w = torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]).contiguous()
+            L.gate_up_w = torch.cat([w("mlp.gate_proj.weight"),
+                                     w("mlp.up_proj.weight")]).contiguous()
             L.down_w = w("mlp.down_proj.weight")
             self.layers.append(L)
         self.cos, self.sin = rope_cos_sin(cfg, dtype)  # [max_position, D]

@@ -55,7 +55,8 @@ def fit_banned(banned: frozenset[int], allowed_mask: torch.Tensor | None) -> fro
     return banned if bool(rest.any()) else frozenset()
 
 
-def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt_ids, output_ids) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt_ids,
+                    output_ids) -> torch.Tensor:
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long)
         logits[ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)

@@ -1,4 +1,5 @@
-"""Tokenizer wrapper: chat template (+ tool template fallback), fingerprint, incremental detokenizer.
+"""Tokenizer wrapper: chat template (+ tool template fallback), fingerprint, incremental
+detokenizer.
 
 `Tokenizer` wraps `transformers.AutoTokenizer` with what the serving path needs:
 
@@ -35,7 +36,8 @@ class Tokenizer:
         self.hf = hf
         self.path = Path(path) if path is not None else None
         self._model_config = _read_json(self.path / "config.json") if self.path else {}
-        self._generation_config = _read_json(self.path / "generation_config.json") if self.path else {}
+        self._generation_config = (_read_json(self.path / "generation_config.json")
+                                   if self.path else {})
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "Tokenizer":
@@ -77,7 +79,8 @@ class Tokenizer:
         add_generation_prompt: bool = True,
     ) -> list[int]:
         # the template writes any BOS itself; adding special tokens again would double it
-        return self.encode(self.render_chat(messages, tools, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, tools, add_generation_prompt),
+                           add_special_tokens=False)
 
     @cached_property
     def model_template_renders_tools(self) -> bool:
@@ -89,7 +92,8 @@ class Tokenizer:
         (or it has none): then the Hermes/ChatML tool template."""
         if not self.hf.chat_template:
             return _tool_template()
-        uses_tools = bool(tools) or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
+        uses_tools = bool(tools) or any(m.get("role") == "tool" or m.get("tool_calls")
+                                        for m in messages)
         if uses_tools and not self.model_template_renders_tools:
             return _tool_template()
         return None
@@ -140,7 +144,8 @@ class IncrementalDetokenizer:
 
     PROMPT_CONTEXT = 5  # prompt tokens decoded for context, never emitted
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int],
+                 skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self._ids = list(prompt_ids[-self.PROMPT_CONTEXT :])
@@ -201,7 +206,8 @@ def _fingerprint(hf: Any) -> str:
         model = dict(spec.get("model") or {})
         if isinstance(model.get("merges"), list):
             # tokenizers writes merges as "a b" or ["a", "b"] depending on version
-            model["merges"] = [m.split(" ", 1) if isinstance(m, str) else list(m) for m in model["merges"]]
+            model["merges"] = [m.split(" ", 1) if isinstance(m, str) else list(m)
+                               for m in model["merges"]]
         state = {
             "model": model,
             "added_tokens": spec.get("added_tokens"),
@@ -213,7 +219,8 @@ def _fingerprint(hf: Any) -> str:
     else:  # a pure-Python tokenizer: the vocabulary is all we can see
         state = {"class": type(hf).__name__, "vocab": hf.get_vocab()}
     state["special_tokens"] = {
-        name: getattr(hf, name, None) for name in ("bos_token", "eos_token", "pad_token", "unk_token")
+        name: getattr(hf, name, None)
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token")
     }
     blob = json.dumps(state, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()

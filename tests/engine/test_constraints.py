@@ -18,7 +18,11 @@ import torch
 
 from shared.contracts.constraint import Constraint, ConstraintKind as K
 from shared.engine.grammar import (
-    ConstraintError, ConstraintState, GrammarCompiler, ReplayError, build_grammar,
+    ConstraintError,
+    ConstraintState,
+    GrammarCompiler,
+    ReplayError,
+    build_grammar,
 )
 from shared.engine.grammar.state import pack_mask, unpack_bitmask
 from shared.engine.tokenizer import Tokenizer
@@ -82,8 +86,14 @@ SPECIAL_TAGS = [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", 
 
 def special_tag_tokenizer() -> Tokenizer:
     """Byte-level BPE like tiny-target's: tool tags are single (non-special) added tokens."""
-    from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
-    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import (
+        Regex,
+        Tokenizer as RawTokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     raw = RawTokenizer(models.BPE())

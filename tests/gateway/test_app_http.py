@@ -7,16 +7,11 @@ import asyncio
 import json
 import time
 
-import aiohttp
-import openai
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from services.gateway.app import GATEWAY, create_app
 from services.gateway.config import GatewayConfig
-from shared.contracts.common import ErrorCode
-from shared.contracts.messages import Path
-
 
 pytestmark = pytest.mark.timeout(60)
 

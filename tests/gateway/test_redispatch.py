@@ -18,8 +18,7 @@ from services.gateway.app import GATEWAY, create_app
 from services.gateway.config import GatewayConfig
 from shared import subjects
 from shared.contracts.common import Codec, ErrorCode, ErrorReply, encode
-from shared.contracts.messages import (DecodeSubmit, Heartbeat, Path, SubmitAck,
-                                       TokenChunk)
+from shared.contracts.messages import DecodeSubmit, Heartbeat, Path, SubmitAck, TokenChunk
 
 pytestmark = pytest.mark.timeout(60)
 

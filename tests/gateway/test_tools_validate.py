@@ -14,8 +14,21 @@ from services.gateway.validate import parse_chat
 from shared.contracts.constraint import Constraint, ConstraintKind
 from shared.engine.grammar import build_grammar
 
-from .tool_bodies import (ALARM, BAD_SCHEMAS, FLIGHT, GOOD_TOOLS, PERSON_SCHEMA, PING, USER,
-                          WEATHER, fn, history, named, random_body, valid_body)
+from .tool_bodies import (
+    ALARM,
+    BAD_SCHEMAS,
+    FLIGHT,
+    GOOD_TOOLS,
+    PERSON_SCHEMA,
+    PING,
+    USER,
+    WEATHER,
+    fn,
+    history,
+    named,
+    random_body,
+    valid_body,
+)
 
 CANON = dict(separators=(",", ":"))
 
@@ -305,9 +318,10 @@ def test_assistant_text_and_calls_together(spec):
 
 def test_hermes_template_renders_tools_and_history():
     """The fallback template (models whose own template has no tools) renders them too."""
+    from transformers import AutoTokenizer
+
     from shared.engine.tokenizer import _tool_template
     from tests.conftest import TINY_TARGET
-    from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(TINY_TARGET)
     msgs = history({"city": "Paris"})

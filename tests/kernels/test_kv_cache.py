@@ -2,9 +2,17 @@
 import pytest
 import torch
 
-from kernels.kv_cache import (gather_blocks, gather_blocks_ref, gather_blocks_triton, scatter_blocks,
-                              scatter_blocks_ref, scatter_blocks_triton, write_kv, write_kv_ref,
-                              write_kv_triton)
+from kernels.kv_cache import (
+    gather_blocks,
+    gather_blocks_ref,
+    gather_blocks_triton,
+    scatter_blocks,
+    scatter_blocks_ref,
+    scatter_blocks_triton,
+    write_kv,
+    write_kv_ref,
+    write_kv_triton,
+)
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -4,8 +4,11 @@ import math
 import pytest
 import torch
 
-from kernels.paged_attention import (paged_attention_decode, paged_attention_decode_ref,
-                                     paged_attention_decode_triton)
+from kernels.paged_attention import (
+    paged_attention_decode,
+    paged_attention_decode_ref,
+    paged_attention_decode_triton,
+)
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}  # atol = rtol
 

@@ -10,8 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from services.kvstore.tiers import (BlockData, DiskTier, MemoryTier, TieredStore, file_size,
-                                    layer_checksum)
+from services.kvstore.tiers import (
+    BlockData,
+    DiskTier,
+    MemoryTier,
+    TieredStore,
+    file_size,
+    layer_checksum,
+)
 
 LAYERS, LAYER_BYTES = 3, 256
 BLOCK = LAYERS * LAYER_BYTES          # nbytes of every test block

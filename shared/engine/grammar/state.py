@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
+
 class ReplayError(RuntimeError):
     """Tokens sampled elsewhere do not fit this grammar: the constraint or the tokenizer differs
     between the two sides of a hand-off. Never a client error."""
@@ -29,7 +30,8 @@ class ReplayError(RuntimeError):
 
 
 class ConstraintState:
-    def __init__(self, grammar: xgr.CompiledGrammar, vocab_size: int, stop_token_ids: Sequence[int]):
+    def __init__(self, grammar: xgr.CompiledGrammar, vocab_size: int,
+                 stop_token_ids: Sequence[int]):
         self.vocab_size = vocab_size
         self.stop_token_ids = tuple(stop_token_ids)
         self._matcher = xgr.GrammarMatcher(grammar)
