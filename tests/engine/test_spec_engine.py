@@ -133,7 +133,7 @@ def test_prefix_cache_hits_change_nothing(tiny_target, tiny_draft):
     ps = [shared + [rng.randrange(10, 8000) for _ in range(rng.randrange(3, 20))]
           for _ in range(6)]
     p = SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True)
-    want = tokens(run(engine(tiny_target, prefix_cache=False), ps, p))
+    want = tokens(run(engine(tiny_target, prefix_caching=False), ps, p))
     eng = engine(tiny_target, tiny_draft)
     first = run(eng, ps[:1], p)          # its prompt blocks enter the cache
     rest = run(eng, ps[1:], p)           # these share them (target KV only) while drafting
