@@ -363,12 +363,12 @@ def ratios_and_targets(res: dict) -> tuple[dict, dict]:
 
 # ---- entry -----------------------------------------------------------------------------------
 def _spawn(args):
-    from pdmesh.cli import _parse_sets
     from pdmesh.cluster import Cluster
+    from pdmesh.overrides import parse_sets
 
     if not args.model:
         raise SystemExit("pdmesh bench --spawn needs --model PATH")
-    overrides = _parse_sets(args.set)
+    overrides = parse_sets(args.set)
     if args.kv_window:
         overrides.setdefault("prefill", {})["kv_window"] = args.kv_window
     cluster = Cluster(model=args.model, prefill=args.prefill, decode=args.decode,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
 import shlex
@@ -17,6 +16,7 @@ import signal
 import sys
 import time
 
+from pdmesh.overrides import parse_kv, parse_sets
 from shared import subjects
 
 DEFAULT_NATS_URL = os.environ.get("PDMESH_NATS_URL", "nats://127.0.0.1:4222")
@@ -101,8 +101,8 @@ def cmd_up(args) -> int:
         model=args.model, prefill=args.prefill, decode=args.decode, host=args.host,
         port=args.port, nats_port=args.nats_port, nats_http_port=args.nats_http_port,
         dtype=args.dtype, deterministic=args.deterministic, mode=args.mode,
-        threads=args.threads, kvstore=not args.no_kvstore, overrides=_parse_sets(args.set),
-        extra_env=dict(_kv(s) for s in args.extra_env), log_dir=args.log_dir,
+        threads=args.threads, kvstore=not args.no_kvstore, overrides=parse_sets(args.set),
+        extra_env=dict(parse_kv(s) for s in args.extra_env), log_dir=args.log_dir,
         startup_timeout_s=args.startup_timeout)
 
     def interrupt(*_):
@@ -155,25 +155,6 @@ def _served_model(url: str) -> str | None:
             return json.load(r)["data"][0]["id"]
     except Exception:  # noqa: BLE001 - only for the hint
         return None
-
-
-def _kv(s: str) -> tuple[str, str]:
-    if "=" not in s:
-        raise SystemExit(f"expected K=V, got {s!r}")
-    k, v = s.split("=", 1)
-    return k, v
-
-
-def _parse_sets(sets: list[str]) -> dict[str, dict[str, str | bool]]:
-    bools = {"true": True, "false": False}
-    out: dict[str, dict[str, str | bool]] = {}
-    for s in sets:
-        k, v = _kv(s)
-        if "." not in k:
-            raise SystemExit(f"expected SERVICE.FIELD=V, got {s!r}")
-        service, field = k.split(".", 1)
-        out.setdefault(service, {})[field.replace("-", "_")] = bools.get(v.lower(), v)
-    return out
 
 
 # ---- status --------------------------------------------------------------------------------
@@ -318,10 +299,6 @@ def cmd_generate(args) -> int:
 
 # ---- bench ---------------------------------------------------------------------------------
 def run_bench(argv: list[str]) -> int:
-    if importlib.util.find_spec("pdmesh.bench") is None:
-        print("pdmesh bench is not available yet (pdmesh/bench.py has not been written)",
-              file=sys.stderr)
-        return 2
     from pdmesh import bench
 
     return bench.main(argv) or 0

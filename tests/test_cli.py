@@ -1,7 +1,7 @@
-"""The pdmesh command line: help, generate, bench placeholder, status and tail formatting."""
+"""The pdmesh command line: help, generate, bench help, --set parsing, status and tail
+formatting."""
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +11,7 @@ import pytest
 
 from pdmesh import cli
 from pdmesh.micro import Instance
+from pdmesh.overrides import parse_sets
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_TARGET = ROOT / "models" / "tiny-target"
@@ -45,12 +46,19 @@ def test_generate_prints_text(chat):
     assert r.stdout.strip(), "no text generated"
 
 
-def test_bench_says_when_it_is_missing():
+def test_bench_help_is_bench_s_own():
     r = pdmesh("bench", "--help")
-    if importlib.util.find_spec("pdmesh.bench") is None:
-        assert r.returncode == 2 and "not available" in r.stderr
-    else:
-        assert "not available" not in r.stderr
+    assert r.returncode == 0, r.stderr
+    assert "pdmesh bench" in r.stdout and "--spawn" in r.stdout
+
+
+def test_set_values_parse_per_service_and_instance():
+    assert parse_sets(["decode.num_blocks=64", "decode-0.fault-repeat-loop=true",
+                       "prefill.kv_window=8"]) == {
+        "decode": {"num_blocks": "64"}, "decode-0": {"fault_repeat_loop": True},
+        "prefill": {"kv_window": "8"}}
+    with pytest.raises(SystemExit):
+        parse_sets(["num_blocks=64"])
 
 
 def test_status_without_nats_fails_clearly():
