@@ -125,18 +125,17 @@ DECODE_KEYS = ("pd", "colocated", "prefill_fallbacks", "kv_writes_fenced")
 
 
 async def mesh_counters(nc) -> dict:
-    from pdmesh import micro
+    from shared import micro
 
-    pre, dec = await asyncio.gather(micro.stats(nc, "prefill"), micro.stats(nc, "decode"))
+    pre, dec = await asyncio.gather(micro.service_stats(nc, "prefill"),
+                                    micro.service_stats(nc, "decode"))
+    pre_total, dec_total = micro.sum_stats(pre), micro.sum_stats(dec)
     out: dict = {"prefill_instances": len(pre), "decode_instances": len(dec),
-                 "has_transfer_s": bool(pre) and all("kv_transfer_s" in i.stats for i in pre)}
-    for k in KV_KEYS:
-        out[k] = sum(i.stats.get(k) or 0 for i in pre)
-    out["kv_max_write_bytes"] = max((i.stats.get("kv_max_write_bytes") or 0 for i in pre),
-                                    default=0)
-    out["kv_window"] = next((i.stats["kv_window"] for i in pre if "kv_window" in i.stats), None)
-    for k in DECODE_KEYS:
-        out["decode_" + k] = sum(i.stats.get(k) or 0 for i in dec)
+                 "has_transfer_s": bool(pre) and all("kv_transfer_s" in s for s in pre)}
+    out |= {k: pre_total.get(k, 0) for k in KV_KEYS}
+    out["kv_max_write_bytes"] = max((s.get("kv_max_write_bytes") or 0 for s in pre), default=0)
+    out["kv_window"] = next((s["kv_window"] for s in pre if "kv_window" in s), None)
+    out |= {"decode_" + k: dec_total.get(k, 0) for k in DECODE_KEYS}
     return out
 
 
@@ -202,7 +201,7 @@ async def long_prompts(http, url, model, target: int, n: int) -> list[str]:
 async def bench(args, url: str, nats_url: str) -> dict:
     import aiohttp
 
-    from pdmesh import micro
+    from shared import micro
 
     levels = _levels(args.concurrency)
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]

@@ -23,6 +23,8 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 
+from shared import micro
+
 PROMPTS = [
     "def fibonacci(n):", "import os\n\ndef main():", "class Stack:\n    def __init__(self):",
     "for i in range(10):", "def read_file(path):\n    with open(path) as f:",
@@ -111,17 +113,18 @@ def references(model: str, pool) -> list[list[int]]:
 # ---- the mesh -----------------------------------------------------------------------------
 def cluster(cfg: ChaosConfig):
     from pdmesh.cluster import Cluster
+    from shared.faults import ALLOW_ENV
 
     decode = SHAPES | {"max_num_seqs": 16, "mode": "pd", "num_blocks": cfg.num_blocks,
                        "reclaim_lease_s": cfg.lease_s, "reclaim_timeout_s": 0.5,
                        "fault_no_reclaim_ack": not cfg.reclaim_ack,
                        "fault_no_epoch_fence": not cfg.epoch_fence}
-    prefill = SHAPES | {"ack_wait_s": 3.0, "max_jobs": 8, "kv_window": cfg.kv_window,
+    prefill = SHAPES | {"ack_wait_s": 3.0, "max_num_seqs": 8, "kv_window": cfg.kv_window,
                         "kv_max_write_bytes": cfg.kv_max_write_bytes,
                         "fault_kv_write_delay_s": cfg.write_delay_s}
     return Cluster(cfg.model, prefill=cfg.prefill, decode=1, kvstore=False, **DET,
                    overrides={"decode": decode, "prefill": prefill}, echo=cfg.echo,
-                   log_dir=cfg.log_dir)
+                   log_dir=cfg.log_dir, extra_env={ALLOW_ENV: "1"})   # the guard switches
 
 
 async def one(http, url: str, prompt: list[int], params: dict, stream: bool) -> list[int]:
@@ -235,8 +238,6 @@ async def wait_writing(nats_url: str, instance_id: str, within_s: float) -> int:
     """Until the prefill instance has KV writes in flight (or within_s passed); how many."""
     import nats
 
-    from pdmesh import micro
-
     nc = await nats.connect(nats_url)
     try:
         deadline = time.monotonic() + within_s
@@ -255,20 +256,11 @@ async def wait_writing(nats_url: str, instance_id: str, within_s: float) -> int:
 async def decode_stats(nats_url: str) -> dict:
     import nats
 
-    from pdmesh import micro
-
     nc = await nats.connect(nats_url)
     try:
-        out: dict[str, dict] = {}
-        for svc in ("decode", "prefill"):
-            out[svc] = [i.stats for i in await micro.stats(nc, svc)]
-        return out
+        return {svc: await micro.service_stats(nc, svc) for svc in ("decode", "prefill")}
     finally:
         await nc.close()
-
-
-def _sum(stats: list[dict], key: str) -> int:
-    return sum(s.get(key, 0) for s in stats)
 
 
 async def quiesce(cfg: ChaosConfig, nats_url: str) -> dict:
@@ -277,9 +269,10 @@ async def quiesce(cfg: ChaosConfig, nats_url: str) -> dict:
     while True:
         st = await decode_stats(nats_url)
         d = st["decode"]
-        busy = sum(_sum(d, k) for k in ("requests", "requests_live", "awaiting_kv",
-                                         "blocks_used", "blocks_quarantined",
-                                         "requests_quarantined"))
+        total = micro.sum_stats(d)
+        busy = sum(total.get(k, 0) for k in ("requests", "requests_live", "awaiting_kv",
+                                              "blocks_used", "blocks_quarantined",
+                                              "requests_quarantined"))
         if (d and busy == 0) or time.monotonic() > deadline:
             return st
         await asyncio.sleep(0.5)
@@ -288,8 +281,6 @@ async def quiesce(cfg: ChaosConfig, nats_url: str) -> dict:
 async def healthy(c) -> list[str]:
     """Problems: gateway /health, an instance missing from $SRV.PING, a child that died."""
     import aiohttp
-
-    from pdmesh import micro
 
     problems = [f"{p.name} exited ({p.returncode})" for p in c.unexpected_exits()]
     async with aiohttp.ClientSession() as http:
@@ -331,27 +322,28 @@ async def arun(cfg: ChaosConfig) -> dict:
     finally:
         await c.astop()
     d, p = st["decode"], st["prefill"]
+    dt, pt = micro.sum_stats(d), micro.sum_stats(p)
     lat = d[0].get("reclaim_latency_ms", {}) if d else {}
     res = {
         "config": {k: v for k, v in asdict(cfg).items() if k not in ("log_dir", "echo")},
         "requests": tally.sent + tally.storm_requests, "completed": tally.completed,
         "client_cancelled": tally.cancelled, "errors": tally.errors,
         "mismatches": tally.mismatches,
-        "aborts": _sum(d, "aborts"), "aborts_by_reason": merge_counts(d, "aborts_by_reason"),
-        "reclaims": _sum(d, "reclaims"),
+        "aborts": dt.get("aborts", 0), "aborts_by_reason": merge_counts(d, "aborts_by_reason"),
+        "reclaims": dt.get("reclaims", 0),
         "reclaims_by_outcome": merge_counts(d, "reclaims_by_outcome"),
-        "kv_writes_fenced": _sum(d, "kv_writes_fenced"),
-        "kv_writes_applied": _sum(d, "kv_writes_applied"),
-        "kv_writes_stray": _sum(d, "kv_writes_stray"),
-        "claims_refused": _sum(d, "claims_refused"),
-        "pd": _sum(d, "pd"), "colocated": _sum(d, "colocated"),
-        "prefill_fallbacks": _sum(d, "prefill_fallbacks"),
-        "prefill_jobs_reclaimed": _sum(p, "jobs_reclaimed"),
-        "prefill_jobs_refused": _sum(p, "jobs_refused"),
-        "prefill_jobs_redelivered": _sum(p, "jobs_redelivered"),
-        "blocks_leaked": _sum(d, "blocks_used") + _sum(d, "blocks_quarantined"),
-        "blocks_quarantined_after": _sum(d, "blocks_quarantined"),
-        "requests_left": _sum(d, "requests") + _sum(d, "requests_live"),
+        "kv_writes_fenced": dt.get("kv_writes_fenced", 0),
+        "kv_writes_applied": dt.get("kv_writes_applied", 0),
+        "kv_writes_stray": dt.get("kv_writes_stray", 0),
+        "claims_refused": dt.get("claims_refused", 0),
+        "pd": dt.get("pd", 0), "colocated": dt.get("colocated", 0),
+        "prefill_fallbacks": dt.get("prefill_fallbacks", 0),
+        "prefill_jobs_reclaimed": pt.get("jobs_reclaimed", 0),
+        "prefill_jobs_refused": pt.get("jobs_refused", 0),
+        "prefill_jobs_redelivered": pt.get("jobs_redelivered", 0),
+        "blocks_leaked": dt.get("blocks_used", 0) + dt.get("blocks_quarantined", 0),
+        "blocks_quarantined_after": dt.get("blocks_quarantined", 0),
+        "requests_left": dt.get("requests", 0) + dt.get("requests_live", 0),
         "reclaim_latency_ms": lat,
         "reclaim_latency_buckets": d[0].get("reclaim_latency_buckets", {}) if d else {},
         "unhealthy": problems,

@@ -163,7 +163,7 @@ def cmd_status(args) -> int:
 
 
 async def _status(args) -> int:
-    from pdmesh import micro
+    from shared import micro
 
     try:
         nc = await micro.connect_once(args.nats_url)

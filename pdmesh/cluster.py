@@ -363,7 +363,7 @@ class Cluster:
         """Until GET /health is 200 and $SRV.PING finds every instance we started."""
         import aiohttp
 
-        from pdmesh import micro
+        from shared import micro
 
         deadline = time.monotonic() + timeout_s
         missing: list[str] = []

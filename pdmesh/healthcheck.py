@@ -35,7 +35,7 @@ async def check_nats(service: str, nats_url: str, instance_id: str | None,
                      timeout_s: float) -> str | None:
     import msgspec
 
-    from pdmesh import micro
+    from shared import micro
     from shared.contracts.messages import Health
 
     try:

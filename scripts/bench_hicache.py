@@ -27,12 +27,12 @@ import time
 from pathlib import Path
 
 import aiohttp
-import nats
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pdmesh.cluster import Cluster  # noqa: E402
+from shared import micro  # noqa: E402
 from shared.engine.tokenizer import Tokenizer  # noqa: E402
 
 url_model = [""]
@@ -85,12 +85,11 @@ async def ask(http, url: str, prompt: list[int], max_tokens: int) -> dict:
 
 
 async def stats(nats_url: str, service: str) -> dict:
-    nc = await nats.connect(nats_url)
-    try:
-        msg = await nc.request(f"$SRV.STATS.{service}", b"", timeout=2)
-        return json.loads(msg.data)["endpoints"][0]["data"]
-    finally:
-        await nc.close()
+    """The first answering instance's $SRV.STATS data (one instance per service here)."""
+    found = await micro.service_stats(nats_url, service, wait_s=2, expect=1)
+    if not found:
+        raise RuntimeError(f"no {service} instance answered $SRV.STATS")
+    return found[0]
 
 
 async def run(args, meshes: dict[str, Cluster], tok) -> dict:

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from pdmesh import cli
-from pdmesh.micro import Instance
 from pdmesh.overrides import parse_sets
+from shared.micro import Instance
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_TARGET = ROOT / "models" / "tiny-target"

@@ -7,11 +7,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from pdmesh.cluster import Cluster, ClusterError
+from shared import micro
 from shared.service import new_instance_id
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,3 +92,16 @@ async def test_async_context_manager_does_not_block_the_loop():
         await c.arestart_nats()
         await c.await_ready(30)
         assert os.path.exists(c.tmp / "nats.conf")
+        # $SRV.STATS through shared.micro, by URL: per instance, first answer, summed
+        per = await micro.service_stats(c.nats_url, "kvstore")
+        assert len(per) == 1 and per[0]
+        t0 = time.monotonic()
+        assert len(await micro.service_stats(c.nats_url, "kvstore", wait_s=20, expect=1)) == 1
+        assert time.monotonic() - t0 < 10          # expect=1 stops waiting at the answer
+        total = await micro.total_stats(c.nats_url, "kvstore")
+        assert total and set(total) <= set(per[0])
+
+
+def test_stats_sum_numbers_only():
+    assert micro.sum_stats([{"a": 1, "b": 2.5, "up": True, "name": "x", "h": {"p50": 1}},
+                            {"a": 2, "c": None}]) == {"a": 3, "b": 2.5}

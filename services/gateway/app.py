@@ -11,7 +11,6 @@ says what went wrong; a 500 means a bug in this gateway.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -21,6 +20,7 @@ from functools import lru_cache
 
 from aiohttp import web
 
+from shared import micro
 from shared.contracts.common import ErrorCode
 from shared.contracts.messages import Heartbeat
 from shared.service import ServiceRuntime
@@ -235,10 +235,10 @@ KVSTORE_GAUGES = {
 async def kvstore_stats(nc) -> dict:
     """kvstore's micro STATS data (empty when no kvstore answers quickly)."""
     try:
-        msg = await nc.request("$SRV.STATS.kvstore", b"", timeout=0.5)
-        return json.loads(msg.data)["endpoints"][0].get("data") or {}
+        found = await micro.service_stats(nc, "kvstore", wait_s=0.5, expect=1)
     except Exception:  # noqa: BLE001 - no kvstore: no kvstore gauges
         return {}
+    return found[0] if found else {}
 
 
 # ---- errors ----------------------------------------------------------------------------

@@ -1,11 +1,11 @@
 """Small HTTP/NATS helpers for e2e tests (aiohttp client, nats-py)."""
 from __future__ import annotations
 
-import asyncio
 import json
 
 import aiohttp
-import nats
+
+from shared import micro
 
 
 def body(prompt_ids, path=None, **kw) -> dict:
@@ -46,22 +46,4 @@ async def stream_tokens(http: aiohttp.ClientSession, url: str, prompt_ids, path=
 
 async def micro_stats(nats_url: str, service: str) -> dict:
     """Sum over every instance of the service's STATS data."""
-    nc = await nats.connect(nats_url)
-    inbox = nc.new_inbox()
-    replies = []
-
-    async def cb(msg):
-        replies.append(json.loads(msg.data))
-
-    sub = await nc.subscribe(inbox, cb=cb)
-    await nc.publish(f"$SRV.STATS.{service}", b"", reply=inbox)
-    await asyncio.sleep(0.5)
-    await sub.unsubscribe()
-    await nc.close()
-    total: dict = {}
-    for r in replies:
-        data = r["endpoints"][0].get("data") or {}
-        for k, v in data.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                total[k] = total.get(k, 0) + v
-    return total
+    return await micro.total_stats(nats_url, service)

@@ -13,9 +13,9 @@ import time
 import aiohttp
 import nats
 
-from pdmesh import micro
 from pdmesh.chaos import ChaosConfig, headline, run
 from pdmesh.cluster import Cluster
+from shared import micro
 from shared.contracts.sampling import SamplingParams
 
 from .conftest import DET, det_overrides, reference_engine

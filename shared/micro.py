@@ -2,12 +2,16 @@
 
 Every pdmesh service registers with nats.micro (shared.service.ServiceRuntime), so one
 request on the control subject, with replies collected for a short while, lists them all.
+The one way to read a service's $SRV.STATS: `stats` (instances with their stats),
+`service_stats` (each instance's stats dict), `total_stats` (summed over instances); the
+gateway, the pdmesh tools, scripts and tests all use these.
 No torch here: the health check in every container imports this.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,22 +49,29 @@ async def connect_once(url: str, timeout_s: float = 2.0) -> nats.NATS:
 
 
 async def collect(nc: nats.NATS, subject: str, wait_s: float = COLLECT_S,
-                  payload: bytes = b"") -> list[Any]:
-    """Publish one request and gather every reply that arrives within wait_s."""
+                  payload: bytes = b"", expect: int | None = None) -> list[Any]:
+    """Publish one request and gather every reply that arrives within wait_s (or until
+    `expect` replies arrived, when given)."""
     replies: list[Any] = []
+    enough = asyncio.Event()
 
     async def on_reply(msg) -> None:
         replies.append(msg)
+        if expect is not None and len(replies) >= expect:
+            enough.set()
 
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox, cb=on_reply)
     try:
         await nc.publish(subject, payload, reply=inbox)
         await nc.flush()
-        await asyncio.sleep(wait_s)
+        try:
+            await asyncio.wait_for(enough.wait(), wait_s)
+        except asyncio.TimeoutError:
+            pass
     finally:
         await sub.unsubscribe()
-    return replies
+    return replies[:expect] if expect is not None else replies
 
 
 def _json(data: bytes) -> dict | None:
@@ -83,10 +94,13 @@ async def ping(nc: nats.NATS, service: str | None = None,
     return out
 
 
-async def stats(nc: nats.NATS, service: str | None = None,
-                wait_s: float = COLLECT_S) -> list[Instance]:
+async def stats(nc: nats.NATS, service: str | None = None, wait_s: float = COLLECT_S,
+                expect: int | None = None) -> list[Instance]:
+    """Every instance (of `service`, or all) that answers $SRV.STATS within wait_s; the
+    stats dict is the service's stats handler (the same on each of its endpoints)."""
     out = []
-    for msg in await collect(nc, control_subject(ServiceVerb.STATS, service), wait_s):
+    subject = control_subject(ServiceVerb.STATS, service)
+    for msg in await collect(nc, subject, wait_s, expect=expect):
         d = _json(msg.data)
         if not d or "name" not in d:
             continue
@@ -107,3 +121,33 @@ async def survey(nc: nats.NATS, wait_s: float = COLLECT_S) -> list[Instance]:
     for i in pinged:
         by_id.setdefault(i.id, i)
     return sorted(by_id.values(), key=lambda i: (i.service, i.instance_id))
+
+
+async def service_stats(nc_or_url: nats.NATS | str, service: str, wait_s: float = COLLECT_S,
+                        expect: int | None = None) -> list[dict[str, Any]]:
+    """Each answering instance's $SRV.STATS data. nc_or_url: a connection, or a NATS URL
+    to connect to for this one question (ConnectionError when it cannot be reached).
+    expect: stop waiting once that many instances answered."""
+    if not isinstance(nc_or_url, str):
+        return [i.stats for i in await stats(nc_or_url, service, wait_s, expect)]
+    nc = await connect_once(nc_or_url)
+    try:
+        return [i.stats for i in await stats(nc, service, wait_s, expect)]
+    finally:
+        await nc.close()
+
+
+def sum_stats(per_instance: Iterable[dict[str, Any]]) -> dict[str, int | float]:
+    """The numeric counters summed over instances (booleans and other values skipped)."""
+    total: dict[str, int | float] = {}
+    for data in per_instance:
+        for k, v in data.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                total[k] = total.get(k, 0) + v
+    return total
+
+
+async def total_stats(nc_or_url: nats.NATS | str, service: str,
+                      wait_s: float = COLLECT_S) -> dict[str, int | float]:
+    """A service's numeric $SRV.STATS counters summed over every instance that answers."""
+    return sum_stats(await service_stats(nc_or_url, service, wait_s))
