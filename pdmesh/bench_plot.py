@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-PATHS = ("pd", "colocated")
-
 
 def plot(res: dict, out: Path) -> None:
     import matplotlib
@@ -13,6 +11,23 @@ def plot(res: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(2, 2, figsize=(11, 8))
+    _latency_panels(ax, res)
+    _kv_panel(ax[1, 1], res["kv"])
+    r = res["ratios"]
+
+    def f(x):
+        return "-" if x is None else f"{x:.2f}"
+    fig.suptitle(f"pdmesh {res['model']}: PD/colocated at c=1: TTFT "
+                 f"{f(r.get('pd_vs_colocated_ttft_c1'))}x, ITL "
+                 f"{f(r.get('pd_vs_colocated_itl_c1'))}x; KV transfer / raw NATS "
+                 f"{f(r.get('kv_vs_raw_nats'))}")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+
+
+def _latency_panels(ax, res: dict) -> None:
+    """TTFT, ITL and tokens/s by concurrency, one line per path."""
     colors = {"pd": "tab:blue", "colocated": "tab:orange"}
     for p, by_c in res["runs"].items():
         cs = sorted(by_c, key=int)
@@ -46,7 +61,10 @@ def plot(res: dict, out: Path) -> None:
         a.set_ylabel(yl)
         a.legend(fontsize=7)
         a.grid(alpha=.3)
-    kv = res["kv"]
+
+
+def _kv_panel(a, kv: dict) -> None:
+    """KV transfer throughput per phase: the mesh's, raw NATS at its window and at 1."""
     groups = [ph for ph in ("all", "short", "long") if kv.get(ph)]
     series = (("bytes_per_s", "mesh (prefill kv_bytes / kv_transfer_s)", "tab:blue"),
               ("raw_bytes_per_s", f"raw NATS, window {kv['window']}", "tab:gray"),
@@ -54,22 +72,11 @@ def plot(res: dict, out: Path) -> None:
     for j, (key, name, col) in enumerate(series):
         xs = [i + (j - 1) * 0.27 for i in range(len(groups))]
         vals = [(kv[ph].get(key) or 0) / 1e6 for ph in groups]
-        bars = ax[1, 1].bar(xs, vals, 0.27, color=col, label=name)
-        ax[1, 1].bar_label(bars, fmt="%.0f", fontsize=7)
-    ax[1, 1].set_xticks(range(len(groups)),
-                        [f"{ph} PD runs\n{kv[ph]['mean_write_bytes'] / 1024:.0f} KiB/write"
-                         for ph in groups])
-    ax[1, 1].legend(fontsize=7)
-    ax[1, 1].set_ylabel("MB/s")
-    ax[1, 1].set_title("KV transfer vs raw NATS (same payload sizes)")
-    r = res["ratios"]
-
-    def f(x):
-        return "-" if x is None else f"{x:.2f}"
-    fig.suptitle(f"pdmesh {res['model']}: PD/colocated at c=1: TTFT "
-                 f"{f(r.get('pd_vs_colocated_ttft_c1'))}x, ITL "
-                 f"{f(r.get('pd_vs_colocated_itl_c1'))}x; KV transfer / raw NATS "
-                 f"{f(r.get('kv_vs_raw_nats'))}")
-    fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
+        bars = a.bar(xs, vals, 0.27, color=col, label=name)
+        a.bar_label(bars, fmt="%.0f", fontsize=7)
+    a.set_xticks(range(len(groups)),
+                 [f"{ph} PD runs\n{kv[ph]['mean_write_bytes'] / 1024:.0f} KiB/write"
+                  for ph in groups])
+    a.legend(fontsize=7)
+    a.set_ylabel("MB/s")
+    a.set_title("KV transfer vs raw NATS (same payload sizes)")
