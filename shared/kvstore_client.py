@@ -8,35 +8,34 @@ engine recomputes those blocks (engine.step handles LoadFailed).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import random
 from collections import deque
-
-import torch
 
 from shared import subjects
 from shared.contracts.common import Codec, encode
-from shared.contracts.kvcache import (KvFetch, KvFetchReply, KvLayerPull, KvLookup,
-                                      KvLookupReply, KvPut, KvPutAck)
+from shared.contracts.kvcache import (
+    KvFetch,
+    KvFetchReply,
+    KvLayerPull,
+    KvLookup,
+    KvLookupReply,
+    KvPut,
+    KvPutAck,
+)
+from shared.kv import wire
 from shared.service import decode_reply
-from services.kvstore.tiers import layer_checksum
 
 log = logging.getLogger("pdmesh.kvcache")
 LOOKUP_REPLY, FETCH_REPLY, PUT_ACK = Codec(KvLookupReply), Codec(KvFetchReply), Codec(KvPutAck)
-HEADER_ROOM = 64 << 10
 
 
 class KvstoreClient:
-    def __init__(self, nc, timeout_s: float = 2.0, window: int = 2,
-                 fault_load_delay_s: float = 0.0, seed: int | None = None):
-        """fault_load_delay_s: TEST ONLY, each layer waits a random 0..delay before it
-        lands (a slow tier), to show that compute never reads a layer before it is ready."""
+    """A slow tier for tests: shared.kv.faults.SlowTierClient (overrides land())."""
+
+    def __init__(self, nc, timeout_s: float = 2.0, window: int = 2):
         self.nc = nc
         self.timeout_s = timeout_s
         self.window = window
-        self.fault_load_delay_s = fault_load_delay_s
-        self.rng = random.Random(seed)
         self.counters = {"kv_lookups": 0, "kv_lookup_errors": 0, "kv_loads": 0,
                          "kv_load_failures": 0, "kv_load_checksum_failures": 0,
                          "kv_loaded_bytes": 0, "kv_put_blocks": 0, "kv_put_errors": 0}
@@ -78,14 +77,12 @@ class KvstoreClient:
             raise RuntimeError(f"kvstore holds {r.blocks} of {len(ld.keys)} blocks now")
         kv = engine.kv
         L = kv.shape[0]
-        shape = (2, *kv.shape[3:])              # one layer of one block
-        lb = kv[0, :, 0].numel() * kv.element_size()
+        lb = wire.layer_bytes(kv)
         if r.layer_bytes != lb or r.num_layers != L:
             raise RuntimeError(f"kvstore blocks are {r.num_layers}x{r.layer_bytes} B, "
                                f"pool wants {L}x{lb} B")
-        per = max(1, (self.nc.max_payload - HEADER_ROOM) // lb)
         n = len(ld.keys)
-        pulls = [(l, b0, min(n, b0 + per)) for l in range(L) for b0 in range(0, n, per)]
+        pulls = wire.plan_pulls(n, L, lb, self.nc.max_payload - wire.HEADER_ROOM)
         subject = subjects.kvstore_layer(r.instance_id)
 
         async def pull(i: int):
@@ -107,21 +104,23 @@ class KvstoreClient:
                 for t in inflight:
                     t.cancel()
                 raise
-            sums = json.loads(headers["Pdmesh-checksums"])
-            if len(data) != (b1 - b0) * lb or len(sums) != b1 - b0 or any(
-                    layer_checksum(data[j * lb:(j + 1) * lb]) != sums[j] for j in range(b1 - b0)):
+            try:
+                t = wire.unpack_layer(data, headers, kv, b1 - b0)
+            except wire.ChecksumError:
                 self.counters["kv_load_checksum_failures"] += 1
-                raise RuntimeError(f"layer {l} blocks {b0}..{b1}: checksum mismatch")
-            if self.fault_load_delay_s:   # TEST ONLY: a slow tier
-                await asyncio.sleep(self.rng.uniform(0.0, self.fault_load_delay_s))
-            t = torch.frombuffer(bytearray(data), dtype=kv.dtype).view(b1 - b0, *shape)
-            if not engine.write_loaded_layer(ld, l, t.transpose(0, 1), b0):
-                for t in inflight:
-                    t.cancel()
+                raise RuntimeError(f"layer {l} blocks {b0}..{b1}: checksum mismatch") from None
+            if not await self.land(engine, ld, l, t, b0):
+                for task in inflight:
+                    task.cancel()
                 return            # the request went away
             self.counters["kv_loaded_bytes"] += len(data)
             if b1 == n:
                 ld.layer_done(l)
+
+    async def land(self, engine, ld, layer: int, tensor, b0: int) -> bool:
+        """Write one verified layer of blocks b0.. into the engine (tensor [2, n, BS, Hkv,
+        D]); False when the request went away. The hook a slow tier overrides."""
+        return engine.write_loaded_layer(ld, layer, tensor, b0)
 
     # ---- write-back -------------------------------------------------------------------------
     def write_back(self, engine, blocks: list[int], keys: list[bytes]) -> None:
@@ -130,28 +129,21 @@ class KvstoreClient:
         if not blocks:
             return
         with engine.lock:
-            ids = torch.tensor(blocks, dtype=torch.long)
-            # [L, 2, n, BS, H, D] -> [n, L, 2, BS, H, D]: each block's layers in order
-            snap = engine.kv[:, :, ids].permute(2, 0, 1, 3, 4, 5).contiguous()
+            snap = wire.snapshot_blocks(engine.kv, blocks)    # each block's layers in order
         task = asyncio.ensure_future(self._put(snap, keys))
         self.puts.add(task)
         task.add_done_callback(self.puts.discard)
 
-    async def _put(self, snap: torch.Tensor, keys: list[bytes]) -> None:
+    async def _put(self, snap, keys: list[bytes]) -> None:
         n, L = snap.shape[0], snap.shape[1]
-        raw = snap.view(torch.uint8).numpy()
-        lb = raw[0, 0].nbytes
-        per = max(1, (self.nc.max_payload - HEADER_ROOM) // (L * lb))
-        for b0 in range(0, n, per):
-            b1 = min(n, b0 + per)
-            payload = raw[b0:b1].tobytes()
-            sums = [[layer_checksum(payload[((i - b0) * L + l) * lb:((i - b0) * L + l + 1) * lb])
-                     for l in range(L)] for i in range(b0, b1)]
+        lb = snap[0, 0].numel() * snap.element_size()
+        for b0, b1 in wire.plan_puts(n, L, lb, self.nc.max_payload - wire.HEADER_ROOM):
+            payload, sums = wire.pack_put(snap, b0, b1)
             meta = KvPut(keys=[k.hex() for k in keys[b0:b1]], num_layers=L, layer_bytes=lb,
                          checksums=sums)
             try:
-                m = await self.nc.request(subjects.kvstore_put(), payload, timeout=self.timeout_s * 5,
-                                          headers=meta.headers())
+                m = await self.nc.request(subjects.kvstore_put(), payload,
+                                          timeout=self.timeout_s * 5, headers=meta.headers())
                 decode_reply(m.data, m.headers, PUT_ACK)
                 self.counters["kv_put_blocks"] += b1 - b0
             except Exception as e:  # noqa: BLE001 - a lost write-back is a future miss

@@ -16,22 +16,28 @@ pulls go to the instance that opened the load.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from shared import subjects
-from shared.contracts.common import Codec, ContractError, encode
-from shared.contracts.kvcache import (KvFetch, KvFetchReply, KvLayerPull, KvLookup,
-                                      KvLookupReply, KvPut, KvPutAck)
+from shared.contracts.common import Codec, ContractError, ErrorCode, encode
+from shared.contracts.kvcache import (
+    KvFetch,
+    KvFetchReply,
+    KvLayerPull,
+    KvLookup,
+    KvLookupReply,
+    KvPut,
+    KvPutAck,
+)
 from shared.contracts.messages import Health, Heartbeat
-from shared.service import ServiceRuntime, ServiceError, new_instance_id
-from shared.contracts.common import ErrorCode
+from shared.kv import wire
+from shared.service import ServiceError, ServiceRuntime, new_instance_id
 
 from .config import KvstoreConfig
-from .tiers import BlockData, DiskTier, MemoryTier, TieredStore, layer_checksum
+from .tiers import BlockData, DiskTier, MemoryTier, TieredStore
 
 log = logging.getLogger("pdmesh.kvstore")
 LAYER = Codec(KvLayerPull)
@@ -123,29 +129,24 @@ class KvstoreService:
         if not (0 <= p.b0 < p.b1 <= len(blocks)) or not 0 <= p.layer < len(blocks[0].layers):
             raise ServiceError(ErrorCode.INVALID_REQUEST, "layer or block range out of bounds")
         part = blocks[p.b0:p.b1]
-        payload = b"".join(b.layers[p.layer] for b in part)
-        sums = [b.checksums[p.layer] for b in part]
+        payload, headers = wire.pack_layer([b.layers[p.layer] for b in part],
+                                           [b.checksums[p.layer] for b in part])
         self.counters["layer_pulls"] += 1
         if p.last:
             self.loads.pop(p.load_id, None)
             self.counters["blocks_served"] += len(blocks)
-        await req.respond(payload, headers={"Pdmesh-checksums": json.dumps(sums)})
+        await req.respond(payload, headers=headers)
         return None
 
     async def on_put(self, req) -> bytes:
         meta = KvPut.from_headers(req.headers)
         keys = _keys(meta.keys)
-        L, lb = meta.num_layers, meta.layer_bytes
-        data = req.data
-        if len(meta.checksums) != len(keys) or len(data) != len(keys) * L * lb:
-            raise ContractError(f"KV put: {len(data)} bytes for {len(keys)} blocks x {L} "
-                                f"layers x {lb} bytes")
-        good = []
-        for i, k in enumerate(keys):
-            layers = tuple(bytes(data[(i * L + l) * lb:(i * L + l + 1) * lb]) for l in range(L))
-            sums = tuple(meta.checksums[i])
-            if len(sums) == L and all(layer_checksum(x) == c for x, c in zip(layers, sums)):
-                good.append((k, BlockData(layers, sums)))
+        try:
+            blocks = wire.unpack_put(req.data, len(keys), meta.num_layers, meta.layer_bytes,
+                                     meta.checksums)
+        except ValueError as e:
+            raise ContractError(f"KV put: {e}") from e
+        good = [(keys[i], BlockData(layers, sums)) for i, layers, sums in blocks]
         await self._store(self._put_all, good)
         rejected = len(keys) - len(good)
         self.counters["puts"] += 1

@@ -29,15 +29,11 @@ import struct
 import tempfile
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-
-def layer_checksum(b: bytes) -> int:
-    """The one checksum of a layer's bytes, everywhere in pdmesh: crc32 (stdlib, fast)."""
-    return zlib.crc32(b)
+from shared.kv.wire import checksum as layer_checksum  # the one KV checksum (crc32)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,10 +1,11 @@
 """Sending one job attempt's KV blocks to its decode instance, with credit-based flow
 control, under the write ledger.
 
-Each write is a NATS request carrying kv[l0:l1, :, blocks] as raw bytes (metadata in
-headers); decode's reply is the credit. At most `window` writes are unacknowledged, so
-the bytes queued for decode at the server stay bounded (window x max_payload) whatever
-the sender's speed. Messages are sized to the server's max_payload (or less).
+Each write carries kv[l0:l1, :, blocks] as raw bytes (shared/kv/wire.py) over a KV
+transport (shared/kv/transport.py: NATS by default); decode's ack is the credit. At most
+`window` writes are unacknowledged, so the bytes queued for decode stay bounded (window x
+max_payload) whatever the sender's speed. Writes are sized to the transport's max_payload
+(or less).
 
 Before each write the ledger is asked whether the attempt may still write: after a
 Reclaim (or a failed write) no new write starts, and send() returns only when every
@@ -13,19 +14,14 @@ write it started has completed, so the count it leaves in the ledger is final.
 from __future__ import annotations
 
 import asyncio
-import random
 
-from shared import subjects
-from shared.contracts.common import Codec
-from shared.contracts.kv import KvWrite, KvWriteAck, checksum
+from shared.contracts.kv import KvWrite
 from shared.contracts.messages import PrefillJob
-from shared.engine.kv_transfer import DTYPE_NAMES, pack, plan
-from shared.service import ServiceError, decode_reply
+from shared.kv import wire
+from shared.kv.transport import KvTransport
+from shared.service import ServiceError
 
 from .ledger import Phase, WriteLedger
-
-HEADER_ROOM = 4096
-ACK = Codec(KvWriteAck)
 
 
 class Reclaimed(Exception):
@@ -33,19 +29,15 @@ class Reclaimed(Exception):
 
 
 class KvSender:
-    def __init__(self, nc, sender_id: str, window: int, ack_timeout_s: float,
-                 ledger: WriteLedger, max_write_bytes: int = 0,
-                 fault_delay_s: float = 0.0, seed: int | None = None):
-        """max_write_bytes: 0 = the server's max_payload. fault_delay_s: TEST ONLY, each
-        write waits a random 0..fault_delay_s after it is issued (a slow wire)."""
-        self.nc = nc
+    def __init__(self, transport: KvTransport, sender_id: str, window: int,
+                 ledger: WriteLedger, max_write_bytes: int = 0):
+        """max_write_bytes: 0 = the transport's max_payload. The ack timeout is the
+        transport's; a slow wire for tests is shared.kv.faults.SlowKvTransport."""
+        self.transport = transport
         self.sender_id = sender_id
         self.window = window
-        self.ack_timeout_s = ack_timeout_s
         self.ledger = ledger
         self.limit = max_write_bytes
-        self.fault_delay_s = fault_delay_s
-        self.rng = random.Random(seed)
         self.max_write_bytes = 0        # the largest payload sent so far (for STATS)
         self.changed = asyncio.Condition()   # a write of some attempt completed
 
@@ -56,14 +48,15 @@ class KvSender:
         skip = job.dest.skip_blocks
         src = engine.kept_blocks(local_id)[skip:skip + len(job.dest.block_ids)]
         if len(src) != len(job.dest.block_ids):
-            raise RuntimeError(f"prefill holds {len(src)} blocks, job wants {len(job.dest.block_ids)}")
-        max_bytes = self.nc.max_payload - HEADER_ROOM
+            raise RuntimeError(f"prefill holds {len(src)} blocks, "
+                               f"job wants {len(job.dest.block_ids)}")
+        max_bytes = self.transport.max_payload
         if self.limit:
             max_bytes = min(max_bytes, self.limit)
-        pieces = plan(len(src), engine.kv, max_bytes)
-        subject = subjects.decode_kv(job.dest.instance_id)
+        pieces = wire.plan(len(src), engine.kv, max_bytes)
+        dest = job.dest.instance_id
         credits = asyncio.Semaphore(self.window)
-        dtype = DTYPE_NAMES[engine.kv.dtype]
+        dtype = wire.dtype_name(engine.kv.dtype)
         ledger = self.ledger
         total = 0
         errors: list[str] = []
@@ -73,27 +66,24 @@ class KvSender:
             async with credits:
                 if not ledger.may_issue(attempt):
                     return
-                payload, shape = pack(engine.kv, src[p.b0:p.b1], p.l0, p.l1)
+                payload, shape = wire.pack(engine.kv, src[p.b0:p.b1], p.l0, p.l1)
                 meta = KvWrite(request_id=job.request_id, epochs=job.dest.epochs[p.b0:p.b1],
                                block_ids=job.dest.block_ids[p.b0:p.b1], layer_start=p.l0,
                                layer_end=p.l1, dtype=dtype, shape=shape,
-                               checksum=checksum(payload), seq=p.index, sender=self.sender_id,
+                               checksum=wire.checksum(payload), seq=p.index, sender=self.sender_id,
                                attempt=attempt)
                 ledger.issue(attempt)
                 answered = False
                 try:
-                    if self.fault_delay_s:   # TEST ONLY: the write is on a slow wire
-                        await asyncio.sleep(self.rng.uniform(0.0, self.fault_delay_s))
-                    msg = await self.nc.request(subject, payload, timeout=self.ack_timeout_s,
-                                                headers=meta.headers())
+                    ack = await self.transport.send(dest, meta, payload)
                     answered = True
-                    ack = decode_reply(msg.data, msg.headers, ACK)
                     total += len(payload)
                     self.max_write_bytes = max(self.max_write_bytes, len(payload))
                     if not ack.applied:
                         errors.append(f"decode discarded KV write {p.index} (fenced)")
                         ledger.stop(attempt)
-                except ServiceError as e:
+                except ServiceError as e:    # an answer: decode refused the write
+                    answered = True
                     errors.append(f"decode refused KV write {p.index}: {e}")
                     ledger.stop(attempt)
                 except Exception as e:  # noqa: BLE001 - timeout, connection: may still land

@@ -38,6 +38,8 @@ from shared.engine.engine import LLMEngine
 from shared.engine.output import RequestOutput
 from shared.engine_loop import run_engine_loop
 from shared.jobqueue import pull_subscription
+from shared.kv.faults import SlowKvTransport, SlowTierClient
+from shared.kv.nats_transport import NatsKvTransport
 from shared.kvstore_client import KvstoreClient
 from shared.service import ServiceRuntime, decode_reply, new_instance_id
 
@@ -79,11 +81,15 @@ class PrefillService:
         self.js = self.rt.nc.jetstream()
         self.psub = await pull_subscription(self.js, self.cfg.ack_wait_s, self.cfg.max_deliver,
                                             self.cfg.max_jobs)
-        self.kvc = KvstoreClient(self.rt.nc, self.cfg.kvstore_timeout_s,
-                                 fault_load_delay_s=self.cfg.fault_load_delay_s)
-        self.sender = KvSender(self.rt.nc, self.iid, self.cfg.kv_window, self.cfg.kv_ack_timeout_s,
-                               self.ledger, self.cfg.kv_max_write_bytes,
-                               self.cfg.fault_kv_write_delay_s)
+        self.kvc = (SlowTierClient(self.rt.nc, self.cfg.kvstore_timeout_s,   # TEST ONLY
+                                   max_delay_s=self.cfg.fault_load_delay_s)
+                    if self.cfg.fault_load_delay_s else
+                    KvstoreClient(self.rt.nc, self.cfg.kvstore_timeout_s))
+        transport = NatsKvTransport(self.rt, self.cfg.kv_ack_timeout_s)
+        if self.cfg.fault_kv_write_delay_s:   # TEST ONLY: a slow wire
+            transport = SlowKvTransport(transport, self.cfg.fault_kv_write_delay_s)
+        self.sender = KvSender(transport, self.iid, self.cfg.kv_window, self.ledger,
+                               self.cfg.kv_max_write_bytes)
         await self.rt.endpoint("reclaim", subjects.prefill_reclaim(self.iid), self.on_reclaim,
                                None, raw=True)
         self.rt.spawn(self.fetch_loop())

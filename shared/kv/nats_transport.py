@@ -1,0 +1,58 @@
+"""KV writes over NATS: one request per write, the payload raw, the KvWrite metadata in
+NATS headers (KvWrite.headers()), decode's KvWriteAck (or a micro error) as the reply.
+
+    tx = NatsKvTransport(rt, timeout_s=10.0)          # rt: a started ServiceRuntime
+    ack = await tx.send(decode_instance, meta, payload)             # prefill
+    await tx.listen(decode_instance, on_write)                      # decode
+
+The receiver registers a raw micro endpoint on subjects.decode_kv(instance_id) through the
+runtime, so bad headers and a checksum mismatch become BAD_MESSAGE replies (ContractError)
+and a ServiceError raised by on_write reaches the sender as that ServiceError.
+"""
+from __future__ import annotations
+
+from shared import subjects
+from shared.contracts.common import Codec, ContractError, encode
+from shared.contracts.kv import KvWrite, KvWriteAck
+from shared.service import ServiceRuntime, decode_reply
+
+from .transport import OnWrite
+from .wire import HEADER_ROOM, Buffer, checksum
+
+ACK = Codec(KvWriteAck)
+
+
+class NatsKvTransport:
+    def __init__(self, rt: ServiceRuntime, timeout_s: float = 10.0):
+        """timeout_s: how long send() waits for decode's answer."""
+        self.rt = rt
+        self.timeout_s = timeout_s
+        self.closed = False
+
+    @property
+    def max_payload(self) -> int:
+        """The connected server's max_payload less the room the headers need."""
+        return self.rt.nc.max_payload - HEADER_ROOM
+
+    async def send(self, dest: str, meta: KvWrite, payload: Buffer) -> KvWriteAck:
+        if self.closed:
+            raise ConnectionError("KV transport closed")
+        msg = await self.rt.nc.request(subjects.decode_kv(dest), payload, timeout=self.timeout_s,
+                                       headers=meta.headers())
+        return decode_reply(msg.data, msg.headers, ACK)
+
+    async def listen(self, instance_id: str, on_write: OnWrite) -> None:
+        async def handler(req) -> bytes:
+            meta = KvWrite.from_headers(req.headers)
+            data = req.data
+            if checksum(data) != meta.checksum:
+                raise ContractError(f"KV write {meta.request_id}#{meta.seq}: checksum mismatch")
+            return encode(await on_write(meta, memoryview(data)))
+
+        await self.rt.endpoint("kv", subjects.decode_kv(instance_id), handler, None, raw=True)
+        await self.rt.nc.flush()        # the server knows the subscription: writes reach it
+
+    async def close(self) -> None:
+        """Stop sending; the endpoints (and the connection) belong to the runtime and end
+        with rt.close()."""
+        self.closed = True

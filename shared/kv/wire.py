@@ -1,0 +1,200 @@
+"""The KV wire: how KV blocks become message payloads and back, for every KV wire in pdmesh.
+
+One checksum (crc32 of raw bytes), one header room, two payload layouts:
+
+  write layout   prefill -> decode (KvWrite): kv[l0:l1, :, blocks] of the sender's pool,
+                 C-contiguous, shape [l1 - l0, 2, n, block_size, Hkv, D]. plan() sizes the
+                 writes: whole blocks (all layers) when they fit, else layer slices of one
+                 block; pack() / unpack_into() move them.
+  block layout   engine <-> kvstore: per block its layers in order, each layer K then V,
+                 [n, L, 2, block_size, Hkv, D]. A put (write-back) carries whole blocks
+                 (plan_puts, pack_put / unpack_put, one checksum per layer of each block);
+                 a layer pull carries one layer of a run of blocks, [n, 2, block_size,
+                 Hkv, D] (plan_pulls, pack_layer / unpack_layer, the stored checksums in
+                 the LAYER_SUMS header).
+
+Payloads are handed out as flat memoryviews over one contiguous buffer (no copy after the
+gather) and read back with torch.frombuffer (no copy before the scatter). torch is imported
+only by the functions that need it: kvstore uses the byte-level half without loading torch.
+"""
+from __future__ import annotations
+
+import json
+import warnings
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+# Room left for NATS headers below the server's max_payload (which counts headers too):
+# a KvWrite's block ids and epochs, a put's keys and per-layer checksums.
+HEADER_ROOM = 64 << 10
+LAYER_SUMS = "Pdmesh-checksums"     # header of a layer-pull reply: json list, one per block
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+Buffer = bytes | bytearray | memoryview
+
+
+class ChecksumError(ValueError):
+    """Received KV bytes do not match their checksum (or their announced size)."""
+
+
+def checksum(data: Buffer) -> int:
+    """The one checksum of KV bytes, everywhere in pdmesh: crc32 (stdlib, fast)."""
+    return zlib.crc32(data)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"KV dtype {dtype} is not one of {DTYPE_NAMES}")
+    return name
+
+
+def layer_bytes(kv: torch.Tensor) -> int:
+    """Bytes of one layer of one block (K and V) of a pool [L, 2, NB, BS, Hkv, D]."""
+    return kv[0, :, 0].numel() * kv.element_size()
+
+
+def _flat(t: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes, without a copy."""
+    import torch
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+def _view(data: Buffer, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """Bytes as a tensor of `shape`, without a copy (read only)."""
+    import torch
+    with warnings.catch_warnings():     # a received payload is read-only; we only read it
+        warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+        t = torch.frombuffer(data, dtype=torch.uint8)
+    return t.view(dtype).view(*shape)
+
+
+# ---- write layout: prefill -> decode -----------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    index: int            # positions in the request's block list: [b0, b1)
+    b0: int
+    b1: int
+    l0: int               # layers [l0, l1)
+    l1: int
+
+
+def plan(num_blocks: int, kv: torch.Tensor, max_bytes: int) -> list[Piece]:
+    """Split a request's blocks x layers into writes of at most max_bytes."""
+    L = kv.shape[0]
+    lb = layer_bytes(kv)
+    if lb > max_bytes:
+        raise ValueError(f"one layer of one KV block is {lb} bytes > max payload {max_bytes}")
+    pieces: list[Piece] = []
+    if L * lb <= max_bytes:
+        per = max_bytes // (L * lb)
+        for b0 in range(0, num_blocks, per):
+            pieces.append(Piece(len(pieces), b0, min(num_blocks, b0 + per), 0, L))
+    else:
+        per = max_bytes // lb
+        for b in range(num_blocks):
+            for l0 in range(0, L, per):
+                pieces.append(Piece(len(pieces), b, b + 1, l0, min(L, l0 + per)))
+    return pieces
+
+
+def pack(kv: torch.Tensor, blocks: list[int], l0: int, l1: int) -> tuple[memoryview, list[int]]:
+    """kv: [L, 2, NB, BS, Hkv, D] -> (bytes of [l1-l0, 2, n, BS, Hkv, D], shape), gathered
+    in one copy into one contiguous buffer (plus the copy to host for a device pool)."""
+    import torch
+    ids = torch.tensor(blocks, dtype=torch.long, device=kv.device)
+    t = kv[l0:l1].index_select(2, ids).cpu()
+    return _flat(t), list(t.shape)
+
+
+def unpack_into(kv: torch.Tensor, blocks: list[int], l0: int, l1: int, payload: Buffer,
+                dtype: str, shape: list[int]) -> None:
+    """Scatter a write produced by pack() into this pool's blocks (in place)."""
+    import torch
+    want = [l1 - l0, 2, len(blocks), *kv.shape[3:]]
+    nbytes = layer_bytes(kv) * (l1 - l0) * len(blocks)
+    if (list(shape) != want or dtype not in DTYPE_NAMES or getattr(torch, dtype) != kv.dtype
+            or len(payload) != nbytes):
+        raise ValueError(f"KV payload {dtype}{list(shape)} ({len(payload)} B) does not fit "
+                         f"pool {str(kv.dtype).removeprefix('torch.')}{want}")
+    ids = torch.tensor(blocks, dtype=torch.long, device=kv.device)
+    kv[l0:l1].index_copy_(2, ids, _view(payload, kv.dtype, want).to(kv.device))
+
+
+# ---- block layout: engine <-> kvstore ----------------------------------------------------
+
+def snapshot_blocks(kv: torch.Tensor, blocks: list[int]) -> torch.Tensor:
+    """Copy of these blocks in block layout, [n, L, 2, BS, Hkv, D], contiguous, on the host:
+    one gather (the caller holds the engine lock; the copy outlives it)."""
+    import torch
+    ids = torch.tensor(blocks, dtype=torch.long, device=kv.device)
+    return kv.permute(2, 0, 1, 3, 4, 5).index_select(0, ids).cpu()
+
+
+def plan_puts(num_blocks: int, num_layers: int, lb: int, max_bytes: int) -> list[tuple[int, int]]:
+    """Block ranges [b0, b1) of the puts that carry num_blocks whole blocks."""
+    per = max(1, max_bytes // (num_layers * lb))
+    return [(b0, min(num_blocks, b0 + per)) for b0 in range(0, num_blocks, per)]
+
+
+def pack_put(snap: torch.Tensor, b0: int, b1: int) -> tuple[memoryview, list[list[int]]]:
+    """Blocks b0..b1 of a snapshot_blocks() copy: (payload, checksums[block][layer])."""
+    L = snap.shape[1]
+    lb = snap[0, 0].numel() * snap.element_size()
+    payload = _flat(snap[b0:b1])
+    sums = [[checksum(payload[(i * L + l) * lb:(i * L + l + 1) * lb]) for l in range(L)]
+            for i in range(b1 - b0)]
+    return payload, sums
+
+
+def unpack_put(data: Buffer, num_blocks: int, num_layers: int, lb: int,
+               sums: list[list[int]]) -> list[tuple[int, tuple[bytes, ...], tuple[int, ...]]]:
+    """A put's payload -> (index, layers, checksums) of every block whose layers all match
+    their checksums (the others are left out). ValueError when the sizes do not add up."""
+    L = num_layers
+    if len(sums) != num_blocks or len(data) != num_blocks * L * lb:
+        raise ValueError(f"{len(data)} bytes for {num_blocks} blocks x {L} layers x {lb} bytes")
+    mv = memoryview(data).cast("B")
+    good = []
+    for i in range(num_blocks):
+        layers = tuple(bytes(mv[(i * L + l) * lb:(i * L + l + 1) * lb]) for l in range(L))
+        block_sums = tuple(sums[i])
+        if len(block_sums) == L and all(checksum(x) == c for x, c in zip(layers, block_sums)):
+            good.append((i, layers, block_sums))
+    return good
+
+
+def plan_pulls(num_blocks: int, num_layers: int, lb: int,
+               max_bytes: int) -> list[tuple[int, int, int]]:
+    """(layer, b0, b1) of the pulls that load num_blocks blocks, layer 0 first."""
+    per = max(1, max_bytes // lb)
+    return [(l, b0, min(num_blocks, b0 + per))
+            for l in range(num_layers) for b0 in range(0, num_blocks, per)]
+
+
+def pack_layer(layers: Sequence[bytes], sums: Sequence[int]) -> tuple[bytes, dict[str, str]]:
+    """One layer of a run of stored blocks: (payload, headers carrying their checksums)."""
+    return b"".join(layers), {LAYER_SUMS: json.dumps(list(sums))}
+
+
+def unpack_layer(data: Buffer, headers: dict[str, str] | None, kv: torch.Tensor,
+                 num_blocks: int) -> torch.Tensor:
+    """A layer-pull reply -> [2, n, BS, Hkv, D] (a view of `data`, ready for
+    write_loaded_layer). ChecksumError when the size or any block's checksum is wrong,
+    ValueError when the checksums are missing."""
+    lb = layer_bytes(kv)
+    try:
+        sums = json.loads((headers or {})[LAYER_SUMS])
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"layer reply without checksums: {e!r}") from e
+    mv = memoryview(data).cast("B")
+    if len(mv) != num_blocks * lb or len(sums) != num_blocks or any(
+            checksum(mv[j * lb:(j + 1) * lb]) != sums[j] for j in range(num_blocks)):
+        raise ChecksumError("checksum mismatch")
+    return _view(mv, kv.dtype, (num_blocks, 2, *kv.shape[3:])).transpose(0, 1)
