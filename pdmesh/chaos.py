@@ -163,18 +163,49 @@ def abort_delay(rng: random.Random) -> float:
 
 
 async def load(cfg: ChaosConfig, c, pool, want) -> Tally:
-    import aiohttp
+    return await _Load(cfg, c, pool, want).run()
 
-    rng = random.Random(cfg.seed + 1)
-    t = Tally()
-    sem = asyncio.Semaphore(cfg.concurrency)
-    storm_at = {int(cfg.requests * (k + 1) / (cfg.storms + 1)) for k in range(cfg.storms)}
-    kill_at = int(cfg.requests * 0.4) if cfg.kill_prefill and cfg.prefill > 0 else -1
 
-    async def request(i: int, http, cancel_after: float | None) -> None:
-        k = i % len(pool) if i < 0 else rng.randrange(len(pool))
-        prompt, params = pool[k]
-        task = asyncio.ensure_future(one(http, c.url, prompt, params, stream=i % 2 == 0))
+class _Load:
+    """Requests from the pool at cfg.concurrency (a share of them cancelled by the client),
+    abort storms spread over the run, and one prefill SIGKILLed mid-transfer."""
+
+    def __init__(self, cfg: ChaosConfig, c, pool, want):
+        self.cfg, self.c, self.pool, self.want = cfg, c, pool, want
+        self.rng = random.Random(cfg.seed + 1)
+        self.t = Tally()
+        self.sem = asyncio.Semaphore(cfg.concurrency)
+
+    async def run(self) -> Tally:
+        import aiohttp
+
+        cfg, t = self.cfg, self.t
+        storm_at = {int(cfg.requests * (k + 1) / (cfg.storms + 1)) for k in range(cfg.storms)}
+        kill_at = int(cfg.requests * 0.4) if cfg.kill_prefill and cfg.prefill > 0 else -1
+        conn = aiohttp.TCPConnector(limit=cfg.concurrency + cfg.storm_size + 8)
+        async with aiohttp.ClientSession(connector=conn,
+                                         timeout=aiohttp.ClientTimeout(total=120)) as http:
+            tasks = []
+            for i in range(cfg.requests):
+                if i in storm_at:
+                    tasks.append(asyncio.ensure_future(self.storm(http)))
+                if i == kill_at:
+                    tasks.append(asyncio.ensure_future(self.kill()))
+                await self.sem.acquire()          # released by the request when it ends
+                tasks.append(asyncio.ensure_future(self.paced(i, http)))
+                t.sent += 1
+                if (i + 1) % 500 == 0:
+                    log(f"{i + 1}/{cfg.requests} sent: {t.completed} completed, "
+                        f"{t.cancelled} cancelled, {t.errors} errors, "
+                        f"{t.mismatches} mismatches")
+            await asyncio.gather(*tasks)
+        return t
+
+    async def request(self, i: int, http, cancel_after: float | None) -> None:
+        t = self.t
+        k = i % len(self.pool) if i < 0 else self.rng.randrange(len(self.pool))
+        prompt, params = self.pool[k]
+        task = asyncio.ensure_future(one(http, self.c.url, prompt, params, stream=i % 2 == 0))
         try:
             got = await (asyncio.wait_for(task, cancel_after) if cancel_after is not None
                          else task)
@@ -187,51 +218,36 @@ async def load(cfg: ChaosConfig, c, pool, want) -> Tally:
                 t.error_samples.append(repr(e)[:300])
             return
         t.completed += 1
-        if got != want[k]:
+        if got != self.want[k]:
             t.mismatches += 1
             if len(t.mismatch_samples) < 5:
-                t.mismatch_samples.append({"pool_index": k, "got": got, "want": want[k]})
+                t.mismatch_samples.append({"pool_index": k, "got": got, "want": self.want[k]})
 
-    async def paced(i: int, http) -> None:
+    async def paced(self, i: int, http) -> None:
         try:
-            cancel = abort_delay(rng) if rng.random() < cfg.abort_rate else None
-            await request(i, http, cancel)
+            rng = self.rng
+            cancel = abort_delay(rng) if rng.random() < self.cfg.abort_rate else None
+            await self.request(i, http, cancel)
         finally:
-            sem.release()
+            self.sem.release()
 
-    async def storm(http) -> None:
+    async def storm(self, http) -> None:
         """storm_size requests at once, every one cancelled at the same moment."""
-        delay = rng.uniform(0.02, 0.3)
-        t.storm_requests += cfg.storm_size
-        await asyncio.gather(*(request(-1 - j, http, delay) for j in range(cfg.storm_size)))
+        delay = self.rng.uniform(0.02, 0.3)
+        self.t.storm_requests += self.cfg.storm_size
+        await asyncio.gather(*(self.request(-1 - j, http, delay)
+                               for j in range(self.cfg.storm_size)))
 
-    async def kill() -> None:
+    async def kill(self) -> None:
         """SIGKILL a prefill in the middle of a transfer, then restart it."""
-        name = f"prefill-{cfg.prefill - 1}"
+        c = self.c
+        name = f"prefill-{self.cfg.prefill - 1}"
         busy = await wait_writing(c.nats_url, c.procs[name].instance_id, within_s=10.0)
         log(f"SIGKILL {name} ({busy} KV writes in flight)")
         c.kill(name)
         await asyncio.sleep(1.0)
         await c.arestart(name)
         log(f"{name} restarted")
-
-    conn = aiohttp.TCPConnector(limit=cfg.concurrency + cfg.storm_size + 8)
-    async with aiohttp.ClientSession(connector=conn,
-                                     timeout=aiohttp.ClientTimeout(total=120)) as http:
-        tasks = []
-        for i in range(cfg.requests):
-            if i in storm_at:
-                tasks.append(asyncio.ensure_future(storm(http)))
-            if i == kill_at:
-                tasks.append(asyncio.ensure_future(kill()))
-            await sem.acquire()          # released by the request when it ends
-            tasks.append(asyncio.ensure_future(paced(i, http)))
-            t.sent += 1
-            if (i + 1) % 500 == 0:
-                log(f"{i + 1}/{cfg.requests} sent: {t.completed} completed, {t.cancelled} "
-                    f"cancelled, {t.errors} errors, {t.mismatches} mismatches")
-        await asyncio.gather(*tasks)
-    return t
 
 
 async def wait_writing(nats_url: str, instance_id: str, within_s: float) -> int:

@@ -26,7 +26,6 @@ long as the cluster.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import importlib
 import os
 import shutil
@@ -49,6 +48,7 @@ from pdmesh.launch import (
     to_flags,
 )
 from pdmesh.procs import Proc, Supervisor
+from shared.settings import field_names
 
 __all__ = ["CONFIG_CLASSES", "SERVICES", "Cluster", "ClusterError", "config_class",
            "nats_server_binary"]
@@ -377,7 +377,7 @@ def _known(service: str, settings: dict[str, Any]) -> dict[str, Any]:
     """Drop unset values; refuse fields the service's config does not have."""
     settings = {k: v for k, v in settings.items() if v is not None}
     cls = config_class(service)
-    fields = {f.name for f in dataclasses.fields(cls)}
+    fields = field_names(cls)
     unknown = sorted(set(settings) - fields)
     if unknown:
         raise ValueError(f"{service} has no setting(s) {unknown}; it has {sorted(fields)}")

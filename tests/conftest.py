@@ -6,6 +6,10 @@ from pathlib import Path
 
 import pytest
 
+# the tests switch guards off and inject faults on purpose (shared/faults.py); services
+# started from here (in process or as children) inherit this
+os.environ.setdefault("PDMESH_ALLOW_FAULTS", "1")
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY_TARGET = ROOT / "models" / "tiny-target"
 TINY_DRAFT = ROOT / "models" / "tiny-draft"

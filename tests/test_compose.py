@@ -5,7 +5,6 @@ Needs Debian's `docker-compose` (apt-get install docker-compose; `make test` ins
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import importlib.util
 import os
@@ -18,7 +17,7 @@ import pytest
 import yaml
 
 from pdmesh.cluster import CONFIG_CLASSES, nats_server_binary
-from shared.settings import env_name, load
+from shared.settings import env_name, field_names, flat_values, load
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVICES = sorted(CONFIG_CLASSES)
@@ -57,7 +56,7 @@ def test_service_command_is_its_module(compose, service):
 def test_service_env_names_config_fields(compose, service, monkeypatch):
     cls = _config_class(service)
     env = compose["services"][service].get("environment") or {}
-    fields = {env_name(f.name): f.name for f in dataclasses.fields(cls)}
+    fields = {env_name(name): name for name in field_names(cls)}
     unknown = sorted(set(env) - set(fields))
     assert not unknown, f"{service}: {unknown} match no field of {cls.__name__} ({sorted(fields)})"
     # and the values parse: the config builds from exactly this environment
@@ -66,9 +65,9 @@ def test_service_env_names_config_fields(compose, service, monkeypatch):
             monkeypatch.delenv(k)
     for k, v in env.items():
         monkeypatch.setenv(k, str(v))
-    cfg = load(cls, argv=[])
+    cfg = flat_values(load(cls, argv=[]))
     for k, v in env.items():
-        assert str(getattr(cfg, fields[k])).lower() == str(v).lower(), k
+        assert str(cfg[fields[k]]).lower() == str(v).lower(), k
 
 
 @pytest.mark.parametrize("service", SERVICES)

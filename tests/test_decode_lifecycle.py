@@ -1,22 +1,23 @@
-"""The decode request lifecycle (services/decode/lifecycle.py), event by event: blocks a
+"""Decode's request table (services/decode/lifecycle.py), event by event: blocks a
 claimed prefill attempt may still write are never freed before every write it counted has
 arrived, or before the lease ends."""
 from __future__ import annotations
 
 import pytest
 
-from services.decode.lifecycle import Lifecycle, Next, Plan, State
+from services.decode.lifecycle import Next, Plan, RequestTable
+from services.decode.request import RequestStatus as State
 
 B, E = [4, 5], [11, 12]
 
 
-def remote(life: Lifecycle, rid: str = "r") -> None:
+def remote(life: RequestTable, rid: str = "r") -> None:
     life.admit_remote(rid, B, E)
     life.queued(rid)
 
 
 def test_happy_path_allocated_awaiting_running_finished():
-    life = Lifecycle(lease_s=5)
+    life = RequestTable(lease_s=5)
     life.admit_remote("r", B, E)
     assert life.state("r") is State.ALLOCATED
     life.queued("r")
@@ -33,7 +34,7 @@ def test_happy_path_allocated_awaiting_running_finished():
 
 
 def test_abort_before_any_claim_frees_at_once_and_refuses_later_claims():
-    life = Lifecycle(lease_s=5)
+    life = RequestTable(lease_s=5)
     remote(life)
     assert life.abort("r", "client", now=0.0) is Plan.FREE
     assert life.claim("r", "a1", "p0", B, E) == (False, "unknown request")
@@ -42,7 +43,7 @@ def test_abort_before_any_claim_frees_at_once_and_refuses_later_claims():
 
 
 def test_abort_with_owner_quarantines_until_ack_and_every_counted_write():
-    life = Lifecycle(lease_s=5)
+    life = RequestTable(lease_s=5)
     remote(life)
     life.claim("r", "a1", "p0", B, E)
     life.write("r", "a1")
@@ -56,7 +57,7 @@ def test_abort_with_owner_quarantines_until_ack_and_every_counted_write():
     assert not life.settled("r")
     life.write("r", "a1")
     assert life.settled("r") and life.ready(now=1.3) == [("r", "acked")]
-    life.reclaimed("r", "acked", now=1.5)
+    assert life.reclaimed("r", "acked", now=1.5) == B     # the blocks to free
     assert life.state("r") is None
     st = life.stats()
     assert st["reclaims_by_outcome"] == {"acked": 1} and st["aborts_by_reason"] == {"client": 1}
@@ -64,7 +65,7 @@ def test_abort_with_owner_quarantines_until_ack_and_every_counted_write():
 
 
 def test_not_owner_answer_does_not_free_the_lease_does():
-    life = Lifecycle(lease_s=5, retry_s=1)
+    life = RequestTable(lease_s=5, retry_s=1)
     remote(life)
     life.claim("r", "a1", "p0", B, E)
     life.abort("r", "timeout", now=0.0)
@@ -76,7 +77,7 @@ def test_not_owner_answer_does_not_free_the_lease_does():
 
 
 def test_every_owner_must_answer_redelivered_job_has_two():
-    life = Lifecycle(lease_s=5)
+    life = RequestTable(lease_s=5)
     remote(life)
     life.claim("r", "a1", "p0", B, E)
     life.claim("r", "a2", "p1", B, E)          # the job was redelivered after p0 went silent
@@ -89,7 +90,7 @@ def test_every_owner_must_answer_redelivered_job_has_two():
 
 
 def test_claim_must_name_the_reservation_and_the_request_must_want_kv():
-    life = Lifecycle(lease_s=5)
+    life = RequestTable(lease_s=5)
     remote(life)
     assert life.claim("r", "a1", "p0", B, [11, 99]) == (False, "claim names another reservation")
     life.claim("r", "a1", "p0", B, E)
@@ -100,7 +101,7 @@ def test_claim_must_name_the_reservation_and_the_request_must_want_kv():
 
 
 def test_prefill_done_with_missing_writes_or_failure_falls_back_and_reclaims():
-    life = Lifecycle(lease_s=5)
+    life = RequestTable(lease_s=5)
     remote(life)
     life.claim("r", "a1", "p0", B, E)
     life.write("r", "a1")
@@ -115,14 +116,14 @@ def test_prefill_done_with_missing_writes_or_failure_falls_back_and_reclaims():
 
 
 def test_prefill_done_from_an_attempt_never_granted_is_ignored():
-    life = Lifecycle(lease_s=5)
+    life = RequestTable(lease_s=5)
     remote(life)
     assert life.prefill_done("r", "ghost", ok=True, writes_issued=0) is Next.IGNORE
     assert life.state("r") is State.AWAITING_KV
 
 
 def test_abort_of_running_or_unknown_request():
-    life = Lifecycle(lease_s=5)
+    life = RequestTable(lease_s=5)
     life.admit_local("c")
     assert life.abort("c", "client", 0.0) is Plan.ENGINE
     assert life.abort("c", "client", 0.0) is Plan.UNKNOWN
@@ -131,13 +132,13 @@ def test_abort_of_running_or_unknown_request():
 
 
 def test_writes_for_unknown_requests_are_counted_as_stray():
-    life = Lifecycle(lease_s=5)
+    life = RequestTable(lease_s=5)
     life.write("gone", "a1")
     assert life.stats()["kv_writes_stray"] == 1
 
 
 def test_without_reclaim_ack_every_claim_is_granted_and_blocks_free_at_once():
-    life = Lifecycle(lease_s=5, reclaim_ack=False)
+    life = RequestTable(lease_s=5, reclaim_ack=False)
     remote(life)
     life.claim("r", "a1", "p0", B, E)
     assert life.abort("r", "client", 0.0) is Plan.FREE
@@ -146,7 +147,7 @@ def test_without_reclaim_ack_every_claim_is_granted_and_blocks_free_at_once():
 
 
 def test_duplicate_admission_is_refused():
-    life = Lifecycle(lease_s=5)
+    life = RequestTable(lease_s=5)
     remote(life)
     with pytest.raises(ValueError):
         life.admit_local("r")

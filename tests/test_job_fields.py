@@ -16,6 +16,7 @@ import typing
 import msgspec
 import pytest
 
+from services.decode.faults import drop_constraint
 from services.decode.jobs import CARRIED, make_prefill_job
 from shared.contracts.common import Codec, encode
 from shared.contracts.constraint import Constraint
@@ -95,4 +96,6 @@ def test_fault_switch_really_drops_the_constraint():
                        constraint=rand_struct(Constraint, rng), tokenizer_fingerprint="fp",
                        reply_subject="x")
     dest = KvDestination(instance_id="d", block_ids=[1], epochs=[1])
-    assert make_prefill_job(sub, dest, "m", 16, drop_constraint=True).constraint == Constraint()
+    job = make_prefill_job(sub, dest, "m", 16)
+    assert job.constraint != Constraint()
+    assert drop_constraint(job).constraint == Constraint()

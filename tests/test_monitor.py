@@ -114,11 +114,14 @@ def test_cumulative_totals_answer_like_steps():
 
 def test_thresholds_come_from_the_drafts_calibration_unless_set(tiny_target, tiny_draft):
     from services.decode.config import DecodeConfig
+    from shared.settings import build
 
-    cal = DecodeConfig(model=str(tiny_target), draft_model=str(tiny_draft)).monitor_config()
+    def config(**flat) -> DecodeConfig:
+        return build(DecodeConfig, {"model": str(tiny_target)} | flat)
+
+    cal = config(draft_model=str(tiny_draft)).monitor_config()
     assert (cal.accept_length_low, cal.accept_rate_high) == (1.1, 0.96)
-    flag = DecodeConfig(model=str(tiny_target), draft_model=str(tiny_draft),
-                        monitor_accept_length_low=1.4).monitor_config()
+    flag = config(draft_model=str(tiny_draft), monitor_accept_length_low=1.4).monitor_config()
     assert flag.accept_length_low == 1.4
-    none = DecodeConfig(model=str(tiny_target)).monitor_config()
+    none = config().monitor_config()
     assert (none.accept_length_low, none.accept_rate_high) == (1.4, 0.96)

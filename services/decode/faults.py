@@ -1,7 +1,10 @@
-"""TEST ONLY fault injection for the anomaly monitor (invariant 5): corrupt a request's
-prompt KV the way a broken transfer would, or push it into a repetition loop. Off unless
-a DecodeConfig fault_* switch is set; benchmarks (scripts/bench_monitor.py) call the same
-functions on an engine's pool.
+"""TEST ONLY fault injection in decode: corrupt a request's prompt KV the way a broken
+transfer would, or push it into a repetition loop (the anomaly monitor's faults,
+invariant 5); drop the constraint from prefill jobs (invariant 2); switch off the
+reclaim-ack or the epoch fence (invariant 3's guards). Off unless a --fault-* setting is
+set (and PDMESH_ALLOW_FAULTS=1, shared/faults.py); applied by install(), which wraps the
+service's KV slots, peers and submit handler. Benchmarks (scripts/bench_monitor.py) call
+the same corrupting functions on an engine's pool.
 
 Pure functions on tensors: `kv` is an engine KV pool, [layers, 2, blocks, block_size,
 Hkv, D]; `blocks` are the block ids of the request's received prompt KV. Every kind
@@ -20,15 +23,51 @@ seed % mod == 0 selects, and kinds[(seed // mod) % len(kinds)] says which fault.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import msgspec
 import torch
 
+from shared.contracts.constraint import Constraint
 from shared.contracts.sampling import SamplingParams
 
 KV_KINDS = ("zero_layer", "swap", "noise")
 REPEAT_LOOP = "repeat_loop"
 KINDS = (*KV_KINDS, REPEAT_LOOP)
 REPEAT_BIAS = 100.0
+
+
+@dataclass
+class DecodeFaults:
+    """TEST ONLY (flags --fault-*)."""
+    corrupt_kv: str = field(default="", metadata={
+        "help": "TEST ONLY: corrupt selected PD requests' received prompt KV before they "
+                "decode: zero_layer, swap, noise (comma-separated; see faults.py)"})
+    noise_scale: float = field(default=1.0, metadata={
+        "help": "TEST ONLY: noise fault: Gaussian noise of this many times the KV's std"})
+    repeat_loop: bool = field(default=False, metadata={
+        "help": "TEST ONLY: push selected requests into a repetition loop (logit bias)"})
+    select_seed_mod: int = field(default=0, metadata={
+        "help": "TEST ONLY: a request whose sampling seed is a multiple of N gets a fault: "
+                "kind number (seed / N) mod (number of kinds), kinds as listed above, "
+                "repeat_loop last (0: none)"})
+    drop_constraint_in_job: bool = field(default=False, metadata={
+        "help": "TEST ONLY: send prefill jobs without their constraint"})
+    no_reclaim_ack: bool = field(default=False, metadata={
+        "help": "TEST ONLY: grant every claim, free aborted blocks at once, send no Reclaim"})
+    no_epoch_fence: bool = field(default=False, metadata={
+        "help": "TEST ONLY: KV writes land in the blocks they name, whatever their epoch"})
+
+    def __post_init__(self):
+        parse_kinds(self.corrupt_kv)
+        if self.select_seed_mod < 0:
+            raise ValueError("fault_select_seed_mod must be >= 0")
+
+    def kinds(self) -> tuple[str, ...]:
+        return parse_kinds(self.corrupt_kv) + ((REPEAT_LOOP,) if self.repeat_loop else ())
+
+    def select(self, seed: int | None) -> str | None:
+        return select(seed, self.select_seed_mod, self.kinds())
 
 
 def parse_kinds(spec: str) -> tuple[str, ...]:
@@ -98,3 +137,8 @@ def repeat_loop(params: SamplingParams, token: int) -> SamplingParams:
     picks it from now on."""
     bias = dict(params.logit_bias or {}) | {token: REPEAT_BIAS}
     return msgspec.structs.replace(params, logit_bias=bias)
+
+
+def drop_constraint(job):
+    """A PrefillJob without its constraint (the production bug invariant 2 prevents)."""
+    return msgspec.structs.replace(job, constraint=Constraint())

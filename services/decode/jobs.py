@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import time
 
-from shared.contracts.constraint import Constraint
 from shared.contracts.messages import DecodeSubmit, KvDestination, PrefillJob
 
 # fields of DecodeSubmit that PrefillJob must carry unchanged
 CARRIED = ("request_id", "prompt_ids", "params", "constraint", "tokenizer_fingerprint")
 
 
-def make_prefill_job(sub: DecodeSubmit, dest: KvDestination, model: str, block_size: int,
-                     drop_constraint: bool = False) -> PrefillJob:
-    """drop_constraint: TEST ONLY fault switch (the production bug this design prevents)."""
+def make_prefill_job(sub: DecodeSubmit, dest: KvDestination, model: str,
+                     block_size: int) -> PrefillJob:
     return PrefillJob(
         request_id=sub.request_id, prompt_ids=sub.prompt_ids, params=sub.params,
-        constraint=Constraint() if drop_constraint else sub.constraint,
+        constraint=sub.constraint,
         tokenizer_fingerprint=sub.tokenizer_fingerprint, model=model, block_size=block_size,
         dest=dest, issued_at=time.time())

@@ -1,18 +1,7 @@
-"""Decode-side request lifecycle: pure bookkeeping of who may still write a request's KV
-blocks, and when those blocks may be reused (invariant 3). No I/O, no clock of its own:
-the service feeds it events and carries out what it answers.
-
-Life cycle of a request:
-
-    ALLOCATED ──job queued──▶ AWAITING_KV ──PrefillDone OK, every write in──▶ RUNNING ──▶ FINISHED
-        │   claims granted here (each prefill attempt that may write is recorded as an owner)
-        │                          │
-        │                          └── prefill failed / timed out: RUNNING (prefilled
-        │                              locally, in fresh blocks); the reservation is
-        │                              reclaimed like an abort's, below
-        └────────── abort ─────────┴──▶ ABORTING ──reclaimed──▶ RECLAIMED
-    colocated requests start in RUNNING; aborting one frees its blocks at once (nobody
-    else writes them).
+"""Decode's request table: pure bookkeeping of every request's record (request.py), of
+who may still write a request's KV blocks, and of when those blocks may be reused
+(invariant 3). No I/O, no clock of its own: the service feeds it events and carries out
+what it answers.
 
 Reclaim of a reservation (abort while ALLOCATED / AWAITING_KV, or a fallback):
   - no owner yet: nobody was allowed to write, and no claim is granted from now on (the
@@ -29,26 +18,16 @@ computes anything. KV writes are counted per attempt while the request holds its
 reservation (awaiting or quarantined), landed or fenced alike, so a count given later can
 be checked against them; writes for anything else are counted as stray.
 
-Test-only switch: reclaim_ack=False is the unprotected system: every claim is granted and
-aborted blocks are freed at once (the epoch fence is then the only guard).
+Test-only guard switch: reclaim_ack=False is the unprotected system: every claim is
+granted and aborted blocks are freed at once (the epoch fence is then the only guard).
 """
 from __future__ import annotations
 
 import enum
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 
-
-class State(str, enum.Enum):
-    ALLOCATED = "allocated"
-    AWAITING_KV = "awaiting_kv"
-    RUNNING = "running"
-    FINISHED = "finished"
-    ABORTING = "aborting"
-    RECLAIMED = "reclaimed"
-
-
-WANTS_KV = (State.ALLOCATED, State.AWAITING_KV)
+from .request import DecodeRequest, KvGrant, Outcome, Quarantine, RequestStatus
 
 
 class Plan(str, enum.Enum):
@@ -66,214 +45,208 @@ class Next(str, enum.Enum):
     FALLBACK = "fallback"        # prefill failed or writes are missing: prefill locally
 
 
-@dataclass(slots=True)
-class Reservation:
-    """A request's blocks for remote KV and every attempt allowed to write them."""
-    block_ids: list[int]
-    epochs: list[int]
-    owners: dict[str, str] = field(default_factory=dict)    # attempt -> prefill instance
-    final: dict[str, int] = field(default_factory=dict)     # attempt -> writes it issued, in all
-
-    def settled(self, received: Counter) -> bool:
-        """Every owner has stopped and every write it counted has been received."""
-        return all(a in self.final and received[a] >= self.final[a] for a in self.owners)
-
-
-@dataclass(slots=True)
-class Request:
-    request_id: str
-    state: State
-    remote: Reservation | None = None
-
-
-@dataclass(slots=True)
-class Quarantine:
-    """A reservation being reclaimed: its blocks stay out of the pool until settled."""
-    request_id: str
-    res: Reservation
-    reason: str
-    since: float
-    asked: dict[str, float] = field(default_factory=dict)   # attempt -> last Reclaim sent
-
-
-class Lifecycle:
+class RequestTable:
     def __init__(self, lease_s: float, retry_s: float = 1.0, reclaim_ack: bool = True,
                  keep_latencies: int = 20_000):
         self.lease_s = lease_s
         self.retry_s = retry_s
         self.ack_enabled = reclaim_ack
-        self.requests: dict[str, Request] = {}
-        self.quarantine: dict[str, Quarantine] = {}
-        self.received: dict[str, Counter] = {}    # request -> attempt -> writes received
+        self.records: dict[str, DecodeRequest] = {}
         self.aborts: Counter = Counter()          # reason -> aborts
-        # outcome -> reclaims: unclaimed (freed at once: nobody could write), acked (every
-        # owner's writes accounted for), lease (an owner never answered), unprotected
-        self.reclaims: Counter = Counter()
+        self.reclaims: Counter = Counter()        # Outcome value -> reclaims
         self.claims: Counter = Counter()          # granted / refused
-        self.stray_writes = 0                     # writes for no known request
+        self.stray_writes = 0                     # writes for no known reservation
         # quarantine -> free, seconds (immediate frees are counted in reclaims only)
         self.latencies: deque[float] = deque(maxlen=keep_latencies)
 
     # ---- admission ------------------------------------------------------------------
-    def admit_remote(self, rid: str, block_ids: list[int], epochs: list[int]) -> None:
-        self._new(rid, State.ALLOCATED, Reservation(list(block_ids), list(epochs)))
+    def admit_remote(self, rid: str, block_ids: list[int], epochs: list[int],
+                     held: list[int] | None = None, **fields) -> DecodeRequest:
+        grant = KvGrant(list(block_ids), list(epochs),
+                        list(block_ids if held is None else held))
+        return self._new(DecodeRequest(rid, RequestStatus.ALLOCATED, grant=grant, **fields))
 
-    def admit_local(self, rid: str) -> None:
-        self._new(rid, State.RUNNING)
+    def admit_local(self, rid: str, **fields) -> DecodeRequest:
+        return self._new(DecodeRequest(rid, RequestStatus.RUNNING, **fields))
 
-    def _new(self, rid: str, state: State, res: Reservation | None = None) -> None:
-        if rid in self.requests or rid in self.quarantine:
-            raise ValueError(f"request {rid!r} is already known")
-        self.requests[rid] = Request(rid, state, res)
-        if res is not None:
-            self.received[rid] = Counter()
+    def _new(self, r: DecodeRequest) -> DecodeRequest:
+        if r.request_id in self.records:
+            raise ValueError(f"request {r.request_id!r} is already known")
+        self.records[r.request_id] = r
+        return r
 
     def queued(self, rid: str) -> None:
         """The PrefillJob is on the work queue."""
-        r = self.requests.get(rid)
-        if r is not None and r.state is State.ALLOCATED:
-            r.state = State.AWAITING_KV
+        r = self.records.get(rid)
+        if r is not None and r.status is RequestStatus.ALLOCATED:
+            r.status = RequestStatus.AWAITING_KV
 
-    def state(self, rid: str) -> State | None:
-        r = self.requests.get(rid)
-        if r is not None:
-            return r.state
-        return State.ABORTING if rid in self.quarantine else None
+    def get(self, rid: str) -> DecodeRequest | None:
+        return self.records.get(rid)
+
+    def state(self, rid: str) -> RequestStatus | None:
+        r = self.records.get(rid)
+        return r.status if r is not None else None
+
+    def live(self) -> Iterator[DecodeRequest]:
+        return (r for r in list(self.records.values()) if r.live)
 
     # ---- prefill side events --------------------------------------------------------
     def claim(self, rid: str, attempt: str, instance: str, block_ids: list[int],
               epochs: list[int]) -> tuple[bool, str]:
         """May this attempt write the request's blocks? Granted only while the request
         still wants its KV and the claim names the reservation decode made."""
-        ok, why = self._claim(rid, attempt, instance, block_ids, epochs)
+        ok, why = self._claim(self.records.get(rid), attempt, instance, block_ids, epochs)
         self.claims["granted" if ok else "refused"] += 1
         return ok, why
 
-    def _claim(self, rid, attempt, instance, block_ids, epochs) -> tuple[bool, str]:
-        r = self.requests.get(rid)
+    def _claim(self, r, attempt, instance, block_ids, epochs) -> tuple[bool, str]:
         if not self.ack_enabled:      # TEST ONLY: the unprotected system lets anyone write
-            if r is not None and r.remote is not None:
-                r.remote.owners[attempt] = instance
+            if r is not None and r.grant is not None:
+                r.grant.owners[attempt] = instance
             return True, ""
         if r is None:
-            return False, "aborted" if rid in self.quarantine else "unknown request"
-        if r.state not in WANTS_KV:
-            return False, f"request is {r.state.value}"
-        if r.remote.block_ids != list(block_ids) or r.remote.epochs != list(epochs):
+            return False, "unknown request"
+        if r.status is RequestStatus.ABORTING:
+            return False, "aborted"
+        if not r.wants_kv:
+            return False, f"request is {r.status.value}"
+        if r.grant.block_ids != list(block_ids) or r.grant.epochs != list(epochs):
             return False, "claim names another reservation"
-        r.remote.owners[attempt] = instance
+        r.grant.owners[attempt] = instance
         return True, ""
+
+    def _grant_of(self, rid: str) -> KvGrant | None:
+        """The reservation writes for this request count against: awaited or quarantined."""
+        r = self.records.get(rid)
+        if r is None:
+            return None
+        return r.grant if r.grant is not None else (r.quarantine.grant if r.quarantine else None)
 
     def write(self, rid: str, attempt: str) -> None:
         """A KV write arrived (landed or fenced): count it for its attempt."""
-        got = self.received.get(rid)
-        if got is None:
+        g = self._grant_of(rid)
+        if g is None:
             self.stray_writes += 1
             return
-        got[attempt] += 1
+        g.received[attempt] += 1
 
     def writes_received(self, rid: str, attempt: str) -> int:
-        got = self.received.get(rid)
-        return got[attempt] if got is not None else 0
+        g = self._grant_of(rid)
+        return g.received[attempt] if g is not None else 0
 
     def prefill_done(self, rid: str, attempt: str, ok: bool, writes_issued: int) -> Next:
         """The attempt has stopped writing, with writes_issued writes in all."""
-        q = self.quarantine.get(rid)
-        if q is not None:
-            q.res.final[attempt] = writes_issued
+        r = self.records.get(rid)
+        if r is not None and r.quarantine is not None:
+            r.quarantine.grant.final[attempt] = writes_issued
             return Next.IGNORE
-        r = self.requests.get(rid)
-        if r is None or r.state not in WANTS_KV:
+        if r is None or not r.wants_kv:
             return Next.IGNORE
-        if self.ack_enabled and attempt not in r.remote.owners and ok:
+        g = r.grant
+        if self.ack_enabled and attempt not in g.owners and ok:
             return Next.IGNORE        # never granted: it cannot have written here
-        r.remote.final[attempt] = writes_issued
-        if not ok or self.writes_received(rid, attempt) != writes_issued:
+        g.final[attempt] = writes_issued
+        if not ok or g.received[attempt] != writes_issued:
             return Next.FALLBACK
         return Next.START
 
     def reclaim_ack(self, rid: str, attempt: str, owner: bool, writes_issued: int) -> None:
-        q = self.quarantine.get(rid)
-        if q is not None and owner:
-            q.res.final[attempt] = writes_issued
+        r = self.records.get(rid)
+        if r is not None and r.quarantine is not None and owner:
+            r.quarantine.grant.final[attempt] = writes_issued
 
     # ---- transitions decode makes ---------------------------------------------------
     def start(self, rid: str) -> None:
         """AWAITING_KV -> RUNNING with the remote KV (its blocks now belong to the batch)."""
-        r = self.requests[rid]
-        r.state = State.RUNNING
-        r.remote = None
-        self.received.pop(rid, None)
+        r = self.records[rid]
+        r.status, r.grant = RequestStatus.RUNNING, None
 
     def fallback(self, rid: str, reason: str, now: float) -> Plan:
         """AWAITING_KV -> RUNNING, prefilled locally; the old reservation is reclaimed."""
-        r = self.requests[rid]
-        r.state = State.RUNNING
-        res, r.remote = r.remote, None
-        return self._reclaim(rid, res, reason, now)
+        r = self.records[rid]
+        r.status = RequestStatus.RUNNING
+        grant, r.grant = r.grant, None
+        return self._reclaim(r, grant, reason, now)
 
     def finish(self, rid: str) -> None:
         """RUNNING -> FINISHED (its blocks went back with the engine's sequence)."""
-        r = self.requests.pop(rid, None)
+        r = self.records.get(rid)
         if r is not None:
-            r.state = State.FINISHED
+            r.status = RequestStatus.FINISHED
+            self._drop_if_done(r)
 
     def abort(self, rid: str, reason: str, now: float) -> Plan:
-        r = self.requests.pop(rid, None)
-        if r is None:
+        r = self.records.get(rid)
+        if r is None or not r.live:
             return Plan.UNKNOWN
+        reason = _code(reason)
         self.aborts[reason] += 1
-        if r.state not in WANTS_KV:
-            r.state = State.FINISHED
+        if not r.wants_kv:
+            r.status = RequestStatus.FINISHED
+            self._drop_if_done(r)
             return Plan.ENGINE
-        r.state = State.ABORTING
-        return self._reclaim(rid, r.remote, reason, now)
+        r.status = RequestStatus.ABORTING
+        grant, r.grant = r.grant, None
+        plan = self._reclaim(r, grant, reason, now)
+        self._drop_if_done(r)
+        return plan
 
-    def _reclaim(self, rid: str, res: Reservation, reason: str, now: float) -> Plan:
-        outcome = ("unprotected" if not self.ack_enabled else "unclaimed" if not res.owners
-                   else "acked" if res.settled(self.received[rid]) else None)
+    def _reclaim(self, r: DecodeRequest, grant: KvGrant, reason: str, now: float) -> Plan:
+        outcome = (Outcome.UNPROTECTED if not self.ack_enabled
+                   else Outcome.UNCLAIMED if not grant.owners
+                   else Outcome.ACKED if grant.settled() else None)
         if outcome is not None:
-            self.received.pop(rid, None)
-            self.reclaims[outcome] += 1
+            self.reclaims[outcome.value] += 1
             return Plan.FREE
-        self.quarantine[rid] = Quarantine(rid, res, reason, now)
+        r.quarantine = Quarantine(grant, _code(reason), now)
         return Plan.QUARANTINE
 
+    def _drop_if_done(self, r: DecodeRequest) -> None:
+        if not r.live and r.quarantine is None:
+            self.records.pop(r.request_id, None)
+
     # ---- quarantine -----------------------------------------------------------------
+    def quarantined(self) -> Iterator[DecodeRequest]:
+        return (r for r in list(self.records.values()) if r.quarantine is not None)
+
     def to_ask(self, now: float) -> list[tuple[str, str, str]]:
         """(request, attempt, instance) owners to send a Reclaim now: never asked, or no
         answer for retry_s. Marks them asked."""
         out = []
-        for q in self.quarantine.values():
-            for attempt, instance in q.res.owners.items():
-                if attempt in q.res.final:
+        for r in self.quarantined():
+            q = r.quarantine
+            for attempt, instance in q.grant.owners.items():
+                if attempt in q.grant.final:
                     continue
                 last = q.asked.get(attempt)
                 if last is None or now - last >= self.retry_s:
                     q.asked[attempt] = now
-                    out.append((q.request_id, attempt, instance))
+                    out.append((r.request_id, attempt, instance))
         return out
 
-    def ready(self, now: float) -> list[tuple[str, str]]:
-        """(request, outcome) whose quarantine may end now: "acked" (settled) or "lease"."""
+    def ready(self, now: float) -> list[tuple[str, Outcome]]:
+        """(request, outcome) whose quarantine may end now: ACKED (settled) or LEASE."""
         out = []
-        for rid, q in self.quarantine.items():
-            if q.res.settled(self.received[rid]):
-                out.append((rid, "acked"))
-            elif now - q.since >= self.lease_s:
-                out.append((rid, "lease"))
+        for r in self.quarantined():
+            if r.quarantine.grant.settled():
+                out.append((r.request_id, Outcome.ACKED))
+            elif now - r.quarantine.since >= self.lease_s:
+                out.append((r.request_id, Outcome.LEASE))
         return out
 
     def settled(self, rid: str) -> bool:
-        q = self.quarantine.get(rid)
-        return q is not None and q.res.settled(self.received[rid])
+        r = self.records.get(rid)
+        return r is not None and r.quarantine is not None and r.quarantine.grant.settled()
 
-    def reclaimed(self, rid: str, outcome: str, now: float) -> None:
-        """ABORTING -> RECLAIMED: the service has returned the blocks to the pool."""
-        q = self.quarantine.pop(rid)
-        self.received.pop(rid, None)
-        self.reclaims[outcome] += 1
+    def reclaimed(self, rid: str, outcome: Outcome, now: float) -> list[int]:
+        """The quarantine ends: returns its engine blocks, for the service to free."""
+        r = self.records[rid]
+        q, r.quarantine = r.quarantine, None
+        self._drop_if_done(r)
+        self.reclaims[Outcome(outcome).value] += 1
         self.latencies.append(now - q.since)
+        return q.grant.held
 
     # ---- numbers --------------------------------------------------------------------
     def stats(self) -> dict:
@@ -282,14 +255,22 @@ class Lifecycle:
         def pct(p: float) -> float:
             return round(lat[min(len(lat) - 1, int(p * len(lat)))] * 1e3, 3) if lat else 0.0
 
+        quarantined = list(self.quarantined())
         return {"aborts": sum(self.aborts.values()), "aborts_by_reason": dict(self.aborts),
                 "reclaims": sum(self.reclaims.values()), "reclaims_by_outcome": dict(self.reclaims),
-                "requests_live": len(self.requests), "requests_quarantined": len(self.quarantine),
+                "requests_live": sum(1 for _ in self.live()),
+                "requests_quarantined": len(quarantined),
+                "blocks_quarantined": sum(len(r.quarantine.grant.held) for r in quarantined),
+                "awaiting_kv": sum(1 for r in self.records.values() if r.wants_kv),
                 "claims_granted": self.claims["granted"], "claims_refused": self.claims["refused"],
                 "kv_writes_stray": self.stray_writes,
                 "reclaim_latency_ms": {"n": len(lat), "p50": pct(0.5), "p90": pct(0.9),
                                        "p99": pct(0.99), "max": pct(1.0)},
                 "reclaim_latency_buckets": _buckets(lat)}
+
+
+def _code(reason) -> str:
+    return reason.value if isinstance(reason, enum.Enum) else str(reason)
 
 
 BUCKETS_MS = (1, 10, 100, 1000, 10_000)

@@ -1,13 +1,12 @@
 """`python -m services.gateway [flags]`: serve the OpenAI API until SIGTERM, then drain."""
 from __future__ import annotations
 
-import asyncio
 import logging
+import sys
 
 from aiohttp import web
 
-from shared.service import setup_logging
-from shared.settings import load
+from shared.settings import service_main
 
 from .app import GATEWAY, create_app
 from .config import GatewayConfig
@@ -34,20 +33,6 @@ async def serve(cfg: GatewayConfig, spec: ModelSpec | None = None) -> None:
         await runner.cleanup()                 # stops the site; on_cleanup closes NATS
 
 
-def main(argv: list[str] | None = None) -> None:
-    setup_logging()
-    try:
-        cfg = load(GatewayConfig, argv, prog="python -m services.gateway")
-        spec = ModelSpec.load(cfg)
-    except (ValueError, OSError) as e:
-        raise SystemExit(f"gateway: {e}") from None
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(serve(cfg, spec))
-    else:
-        uvloop.run(serve(cfg, spec))
-
-
 if __name__ == "__main__":
-    main()
+    sys.exit(service_main("gateway", GatewayConfig,
+                          lambda cfg: serve(cfg, ModelSpec.load(cfg))))

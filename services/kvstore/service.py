@@ -172,8 +172,9 @@ class KvstoreService:
 
     def stats(self) -> dict:
         st = self.store.stats() | self.counters | {"open_loads": len(self.loads)}
-        st["prefix_hit_rate"] = (round(self.counters["lookup_hits"] / self.counters["lookup_keys"], 4)
-                                 if self.counters["lookup_keys"] else 0.0)
+        c = self.counters
+        st["prefix_hit_rate"] = (round(c["lookup_hits"] / c["lookup_keys"], 4)
+                                 if c["lookup_keys"] else 0.0)
         return st
 
     def heartbeat(self) -> Heartbeat:

@@ -6,17 +6,16 @@ Life cycle of a job:
   refused when the request was aborted meanwhile: the job is acked, nothing computed) ->
   look the prompt's prefix up in L1 (this worker's pool) and kvstore (L2/L3); load a
   kvstore hit layer by layer while computing the rest (compute on a layer waits for its
-  load) -> compute the prompt (continuous batching with other jobs) and sample the first token
-  with the job's sampling params -> stream the prompt's KV blocks to the decode instance
-  as KV writes (past the blocks decode already caches), at most `kv_window` unacknowledged at a time (decode's ack is the credit,
-  so a fast sender can never make nats-server drop decode as a slow consumer), each one
-  only while the ledger says the attempt may write -> PrefillDone (first token, writes
-  issued; FAILED with the count when something failed) -> ack the job; the prompt's new
-  whole blocks go to kvstore in the background (write-back never delays a token).
-A Reclaim from decode cancels the attempt: no write starts after it, and the ReclaimAck
-(with the count of writes issued) goes back once every write in flight has completed.
-A worker that dies before the ack leaves the job to be redelivered to another worker,
-which claims it again as a new attempt.
+  load) -> compute the prompt (continuous batching with other jobs) and sample the first
+  token with the job's sampling params -> send the prompt's KV blocks past those decode
+  already caches (sender.py: at most `kv_window` unacknowledged writes, each one only
+  while the ledger says the attempt may write) -> PrefillDone (first token, writes issued;
+  FAILED with the count when something failed) -> ack the job; the prompt's new whole
+  blocks go to kvstore in the background (writeback.py).
+A Reclaim from decode cancels the attempt (reclaims.py). A worker that dies before the
+ack leaves the job to be redelivered to another worker, which claims it again as a new
+attempt. Test-only faults wrap the kvstore client, the transport and the sender
+(inject.py); nothing here branches on them.
 """
 from __future__ import annotations
 
@@ -24,7 +23,6 @@ import asyncio
 import logging
 import time
 import uuid
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
@@ -33,33 +31,33 @@ import nats.errors
 from shared import subjects
 from shared.contracts.common import Codec, ContractError, ErrorCode, ErrorReply, encode
 from shared.contracts.messages import Heartbeat, PrefillDone, PrefillJob, PrefillStatus
-from shared.contracts.reclaim import ClaimReply, PrefillClaim, Reclaim, ReclaimAck
+from shared.contracts.reclaim import ClaimReply, PrefillClaim
 from shared.engine.engine import LLMEngine
 from shared.engine.output import RequestOutput
 from shared.engine_loop import run_engine_loop
+from shared.faults import require_allowed
 from shared.jobqueue import pull_subscription
-from shared.kv.faults import SlowKvTransport, SlowTierClient
 from shared.kv.nats_transport import NatsKvTransport
-from shared.kvstore_client import KvstoreClient
 from shared.service import ServiceRuntime, decode_reply, new_instance_id
 
+from . import inject
 from .config import PrefillConfig
 from .ledger import WriteLedger
+from .reclaims import ReclaimResponder
 from .sender import KvSender, Reclaimed
+from .writeback import WriteBack
 
 log = logging.getLogger("pdmesh.prefill")
 JOB = Codec(PrefillJob)
-RECLAIM = Codec(Reclaim)
 CLAIM_REPLY = Codec(ClaimReply)
-REAP_S = 5.0
-SEEN_KEYS = 100_000     # prefix keys remembered for write_through_selective
 
 
 class PrefillService:
     def __init__(self, cfg: PrefillConfig, engine: LLMEngine | None = None):
         self.cfg = cfg
         self.iid = cfg.instance_id or new_instance_id("prefill")
-        self.engine = engine or LLMEngine(cfg.engine_config())
+        require_allowed(cfg.faults)
+        self.engine = engine or LLMEngine(inject.engine_config(cfg.engine, cfg.faults))
         self.fingerprint = self.engine.tokenizer.fingerprint
         self.rt = ServiceRuntime("prefill", self.iid, cfg.nats_url, stats=self.stats)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
@@ -71,30 +69,28 @@ class PrefillService:
         # per-job KV throughput); kv_max_write_bytes: the largest KV write payload sent
         self.counters = {"jobs_done": 0, "jobs_failed": 0, "kv_writes": 0, "kv_bytes": 0,
                          "kv_transfer_s": 0.0, "kv_max_write_bytes": 0, "bad_jobs": 0,
-                         "jobs_refused": 0, "jobs_reclaimed": 0, "jobs_redelivered": 0,
-                         "reclaims_answered": 0}
+                         "jobs_refused": 0, "jobs_reclaimed": 0, "jobs_redelivered": 0}
         self.ledger = WriteLedger()
-        self.seen_keys: OrderedDict[bytes, None] = OrderedDict()
+        self.kvc = self.reclaims = None
 
     async def start(self) -> None:
         await self.rt.start()
         self.js = self.rt.nc.jetstream()
         self.psub = await pull_subscription(self.js, self.cfg.ack_wait_s, self.cfg.max_deliver,
                                             self.cfg.max_jobs)
-        self.kvc = (SlowTierClient(self.rt.nc, self.cfg.kvstore_timeout_s,   # TEST ONLY
-                                   max_delay_s=self.cfg.fault_load_delay_s)
-                    if self.cfg.fault_load_delay_s else
-                    KvstoreClient(self.rt.nc, self.cfg.kvstore_timeout_s))
-        transport = NatsKvTransport(self.rt, self.cfg.kv_ack_timeout_s)
-        if self.cfg.fault_kv_write_delay_s:   # TEST ONLY: a slow wire
-            transport = SlowKvTransport(transport, self.cfg.fault_kv_write_delay_s)
-        self.sender = KvSender(transport, self.iid, self.cfg.kv_window, self.ledger,
-                               self.cfg.kv_max_write_bytes)
-        await self.rt.endpoint("reclaim", subjects.prefill_reclaim(self.iid), self.on_reclaim,
-                               None, raw=True)
+        f = self.cfg.faults
+        self.kvc = inject.kvstore_client(self.rt.nc, self.cfg.kvstore_timeout_s, f)
+        self.write_back = WriteBack(self.cfg.write_policy if self.cfg.kvstore else "none",
+                                    self.kvc)
+        transport = inject.transport(NatsKvTransport(self.rt, self.cfg.kv_ack_timeout_s), f)
+        self.sender = inject.sender(KvSender(transport, self.iid, self.cfg.kv_window,
+                                             self.ledger, self.cfg.kv_max_write_bytes), f)
+        self.reclaims = ReclaimResponder(self.iid, self.ledger, self.sender, self.rt.spawn)
+        await self.rt.endpoint("reclaim", subjects.prefill_reclaim(self.iid),
+                               self.reclaims.on_reclaim, None, raw=True)
         self.rt.spawn(self.fetch_loop())
         self.rt.spawn(self.engine_loop())
-        self.rt.spawn(self.reaper())
+        self.rt.spawn(self.reclaims.reap())
         log.info("prefill %s ready (model %s)", self.iid, self.cfg.model)
 
     async def serve(self) -> None:
@@ -121,9 +117,10 @@ class PrefillService:
                          blocks_used=st["blocks_used"], ts=time.time())
 
     def stats(self) -> dict:
-        kvc = self.kvc.counters if hasattr(self, "kvc") else {}
+        kvc = self.kvc.counters if self.kvc is not None else {}
+        answered = self.reclaims.answered if self.reclaims is not None else 0
         return (self.engine.stats() | {"jobs_active": self.active, "kv_window": self.cfg.kv_window}
-                | self.counters | self.ledger.stats() | kvc
+                | self.counters | {"reclaims_answered": answered} | self.ledger.stats() | kvc
                 | {"last_load": self.engine.last_load})
 
     # ---- jobs -------------------------------------------------------------------------
@@ -191,8 +188,6 @@ class PrefillService:
         try:
             out, tier = await self.compute(local_id, job)
             compute_s = time.monotonic() - t0
-            if self.cfg.fault_delay_before_kv_s:
-                await asyncio.sleep(self.cfg.fault_delay_before_kv_s)
             if not self.ledger.may_issue(attempt):
                 raise Reclaimed(f"{job.request_id}: reclaimed before its first write")
             t1 = time.monotonic()
@@ -202,7 +197,7 @@ class PrefillService:
             self.counters["kv_bytes"] += nbytes
             self.counters["kv_transfer_s"] += transfer_s
             self.counters["kv_max_write_bytes"] = self.sender.max_write_bytes
-            self.write_back(local_id, job, tier)
+            self.write_back(self.engine, local_id, job.prompt_ids, tier)
             lp = out.logprobs[0] if out.logprobs else (None, None, None)
             return PrefillDone(request_id=job.request_id, status=PrefillStatus.OK,
                                prefill_instance=self.iid, first_token=out.new_token_ids[0],
@@ -242,33 +237,6 @@ class PrefillService:
             return False
         return self.ledger.granted(attempt)
 
-    async def on_reclaim(self, req) -> None:
-        """Cancel the attempt; answer once its writes in flight have completed."""
-        r = RECLAIM.decode(req.data)
-        e = self.ledger.cancel(r.attempt)
-        if e is None or e.request_id != r.request_id:
-            await req.respond(encode(ReclaimAck(request_id=r.request_id, attempt=r.attempt,
-                                                prefill_instance=self.iid, owner=False)))
-            return None
-        self.rt.spawn(self.answer_reclaim(req, r.attempt))
-        return None
-
-    async def answer_reclaim(self, req, attempt: str) -> None:
-        await self.sender.wait_idle(attempt)
-        e = self.ledger.get(attempt)
-        self.counters["reclaims_answered"] += 1
-        try:
-            await req.respond(encode(ReclaimAck(
-                request_id=e.request_id, attempt=attempt, prefill_instance=self.iid, owner=True,
-                writes_issued=e.issued, writes_completed=e.completed, writes_failed=e.failed)))
-        except Exception as ex:  # noqa: BLE001 - decode asks again, or its lease ends it
-            log.debug("%s: ReclaimAck not sent: %r", e.request_id, ex)
-
-    async def reaper(self) -> None:
-        while True:
-            await asyncio.sleep(REAP_S)
-            self.ledger.reap(time.monotonic())
-
     def refuse_reason(self, job: PrefillJob) -> tuple[ErrorCode, str] | None:
         if job.tokenizer_fingerprint != self.fingerprint:
             return ErrorCode.TOKENIZER_MISMATCH, "job tokenizer fingerprint differs from prefill's"
@@ -294,27 +262,6 @@ class PrefillService:
             self.rt.spawn(self.kvc.load(self.engine, load))
         self.wake.set()
         return await fut, tier
-
-    def write_back(self, local_id: str, job: PrefillJob, tier: int) -> None:
-        """Send the prompt's whole blocks kvstore lacks (it holds the first `tier`).
-        write_through_selective sends a block only the second time its prefix is seen
-        (one-off prompts never cost host memory), like SGLang's selective policy."""
-        policy = self.cfg.write_policy
-        if not self.cfg.kvstore or policy == "none":
-            return
-        keys = self.engine.prefix_keys(job.prompt_ids)[tier:]
-        blocks = self.engine.kept_blocks(local_id)[tier:tier + len(keys)]
-        if policy == "write_through_selective":
-            n = 0
-            while n < len(keys) and keys[n] in self.seen_keys:
-                n += 1
-            for k in keys:
-                self.seen_keys[k] = None
-                self.seen_keys.move_to_end(k)
-            while len(self.seen_keys) > SEEN_KEYS:
-                self.seen_keys.popitem(last=False)
-            keys, blocks = keys[:n], blocks[:n]
-        self.kvc.write_back(self.engine, blocks, keys)
 
     async def finish(self, job: PrefillJob, msg, done: PrefillDone) -> None:
         ok = done.status is PrefillStatus.OK

@@ -6,7 +6,6 @@ shape [layers, 2, len(block_ids), block_size, Hkv, D], in `dtype`.
 from __future__ import annotations
 
 import json
-import zlib
 
 import msgspec
 
@@ -21,7 +20,7 @@ class KvWrite(msgspec.Struct, frozen=True, kw_only=True):
     layer_end: int
     dtype: str
     shape: list[int]
-    checksum: int          # crc32 of the payload
+    checksum: int          # crc32 of the payload (shared.kv.wire.checksum)
     seq: int               # index of this write within the job
     sender: str
     attempt: str = ""      # the prefill attempt (PrefillClaim.attempt) that issued it
@@ -51,6 +50,3 @@ class KvWriteAck(msgspec.Struct, frozen=True, kw_only=True):
     seq: int
     applied: bool          # False: fenced (stale epoch) or unknown request; discarded
 
-
-def checksum(payload: bytes | memoryview) -> int:
-    return zlib.crc32(payload)

@@ -1,32 +1,49 @@
-"""Engine settings: one slotted dataclass that checks itself."""
+"""Engine settings: one slotted dataclass that checks itself.
+
+It is nested in every engine-hosting service's settings (decode, prefill), whose loader
+flattens it into the service's flags and env vars (--block-size, PDMESH_BLOCK_SIZE, ...);
+each service only changes the defaults that suit it.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _h(text: str) -> dict:
+    return {"help": text}
+
+
 @dataclass(slots=True)
 class EngineConfig:
-    model: str
-    dtype: str = "float32"
-    block_size: int = 16
-    num_blocks: int | None = None        # set this or kv_cache_bytes
-    kv_cache_bytes: int = 256 << 20
-    max_num_seqs: int = 16               # running sequences per step
-    max_num_batched_tokens: int = 256    # rows per forward
-    chunk_size: int = 256                # prefill chunk (tokens of one sequence per step)
-    deterministic: bool = False          # batch-invariant logits (fixed-shape forwards)
-    max_model_len: int | None = None     # default: the model's max_position_embeddings
-    threads: int | None = None           # torch intra-op threads
-    epoch_fence: bool = True             # False: TEST ONLY, remote KV writes land unchecked
-    prefix_caching: bool = True          # L1: reuse whole prompt blocks already in the pool
-    load_guard: bool = True              # False: TEST ONLY, compute reads loading layers unchecked
-    load_timeout_s: float = 30.0         # a layer load slower than this fails (recomputed)
-    draft_model: str | None = None       # speculative decoding: the draft's HF folder
-    num_speculative_tokens: int = 4      # drafts verified per decode step (0 disables)
+    model: str = field(default="", metadata=_h("HF model folder"))
+    dtype: str = field(default="float32", metadata=_h("float32 | bfloat16 | float16"))
+    block_size: int = field(default=16, metadata=_h("tokens per KV block"))
+    num_blocks: int = field(default=0, metadata=_h("KV blocks (0: from kv_cache_mb)"))
+    kv_cache_mb: int = field(default=256, metadata=_h("KV pool size when num_blocks is 0"))
+    max_num_seqs: int = field(default=16, metadata=_h("running sequences per step"))
+    max_num_batched_tokens: int = field(default=256, metadata=_h("rows per forward"))
+    chunk_size: int = field(default=256, metadata=_h(
+        "prefill chunk: tokens of one sequence per step"))
+    deterministic: bool = field(default=False, metadata=_h(
+        "batch-invariant logits (fixed-shape forwards): output independent of the batch"))
+    max_model_len: int = field(default=0, metadata=_h(
+        "context window (0: the model's max_position_embeddings)"))
+    threads: int = field(default=0, metadata=_h("torch intra-op threads (0: torch default)"))
+    prefix_cache: bool = field(default=True, metadata=_h(
+        "L1: reuse whole prompt blocks still in this engine's KV pool"))
+    # False: TEST ONLY, compute reads a loading layer unchecked (prefill's
+    # --fault-no-load-guard sets it; never a flag of its own)
+    load_guard: bool = field(default=True, metadata={"flag": False})
+    load_timeout_s: float = field(default=30.0, metadata=_h(
+        "a layer load slower than this fails (the blocks are recomputed)"))
+    draft_model: str = field(default="", metadata=_h(
+        "speculative decoding: the draft model's HF folder ('': none)"))
+    num_speculative_tokens: int = field(default=4, metadata=_h(
+        "draft tokens verified per decode step (0: no speculation)"))
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -37,8 +54,8 @@ class EngineConfig:
             raise ValueError("need 1 <= chunk_size <= max_num_batched_tokens")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError("num_blocks must be >= 1")
+        if self.num_blocks < 0 or self.kv_cache_mb < 0 or self.threads < 0:
+            raise ValueError("num_blocks, kv_cache_mb and threads must be >= 0")
         if self.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0 (0 disables speculation)")
         if self.speculative and self.num_speculative_tokens >= self.max_num_batched_tokens:
@@ -52,3 +69,7 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_cache_mb << 20

@@ -6,24 +6,18 @@ Life cycle of a request:
      samples the next one -> output processor (detokenize, stop checks)
   -> FINISHED (blocks freed; a prefill-only request keeps them until release()).
 
-Phases of a step: schedule -> prepare (flat batch + attention metadata) -> run_model ->
+Phases of a step: schedule -> build the flat batch (batch.py) -> run the model ->
 sample -> postprocess.
 
-Remote prefill (decode side): reserve_remote allocates blocks for a prompt whose KV
-another process computes; writes land through accept_kv (epoch-fenced); start_remote
-joins the sequence to the batch with its first token. An aborted (or locally re-prefilled)
-request whose blocks may still be written can leave them quarantined: out of the pool,
-never handed out, until release_quarantined() once no write can land any more.
+Held sequences: hold() allocates a prompt's blocks without scheduling it, for a caller
+that fills their KV from outside (decode's PD slots, services/decode/slots.py); resume()
+joins it to the batch with its first token, or requeue() has it compute its own prompt.
+detach_blocks() hands a held sequence's blocks to the caller, who frees them later
+(free_blocks) — the engine knows nothing about who may still write them.
 
-Prefix cache (L1): whole prompt blocks are indexed by a chained key of their tokens
-(prefix.py); a request takes the longest cached prefix and computes only the rest. A
-longer prefix found in a lower tier (kvstore) is loaded layer by layer into fresh blocks
-while the rest computes; compute on layer i waits until layer i has landed
-(layer_load.py). In deterministic mode only prefixes whose KV is bit-identical however
-the prompt is split are shared: whole chunks (multiples of chunk_size).
-
-Speculative decoding (cfg.draft_model): decode steps carry k draft tokens that one target
-forward verifies; the draft's KV shares the pool's block ids (spec/runner.py).
+Prefix cache (L1) and lower-tier loads: prefix_cache.py. Speculative decoding
+(cfg.draft_model): decode steps carry k draft tokens that one target forward verifies;
+the draft's KV shares the pool's block ids (spec/runner.py).
 
 Threading: step() may run in a worker thread while the service's event loop adds,
 aborts and applies KV writes. Bookkeeping happens under `lock`; the forward pass runs
@@ -36,28 +30,21 @@ import itertools
 import random
 import threading
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
-from .block_pool import BlockPool, NoFreeBlocks
+from .batch import build_batch
+from .block_pool import BlockPool
 from .config import EngineConfig
 from .layer_load import LayerLoad, LoadFailed
 from .loader import load_config, load_weights
-from .model import BatchMeta, Model, SeqSpan, kv_block_bytes, kv_pool
+from .model import Model, kv_block_bytes, kv_pool
 from .output import OutputProcessor, RequestOutput
 from .prefix import prefix_salt
-from .prefix_cache import PrefixCacheMixin
-from .sampling import SampleInput, fit_banned, sample
-from .scheduler import Scheduled, Scheduler, cancel_load
-from .sequence import Sequence
-
-
-class Reservation(NamedTuple):
-    blocks: list[int]          # the remote writer fills these (prompt blocks skip.. end)
-    epochs: list[int]
-    skip: int                  # leading prompt blocks served here (L1 or the load)
-    load: LayerLoad | None     # the caller fills it from the lower tier
+from .prefix_cache import PrefixCache
+from .sampling import SampleInput, SampleOutput, fit_banned, sample
+from .scheduler import Scheduler, cancel_load
+from .sequence import SeqStatus, Sequence
 
 
 @dataclass(slots=True)
@@ -67,25 +54,20 @@ class _Req:
     constraint: object = None     # grammar.ConstraintState, or None when unconstrained
 
 
-class LLMEngine(PrefixCacheMixin):
+class LLMEngine:
     def __init__(self, cfg: EngineConfig, tokenizer="auto"):
         """tokenizer: "auto" loads the folder's tokenizer; None serves token ids only
         (no text, no stop strings); or pass a shared Tokenizer."""
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.cfg = cfg
-        self.model_cfg = load_config(cfg.model)
+        self.model_cfg = mc = load_config(cfg.model)
         if tokenizer == "auto":
             from .tokenizer import Tokenizer
             tokenizer = Tokenizer.from_pretrained(cfg.model)
         self.tokenizer = tokenizer
-        weights = load_weights(cfg.model, self.model_cfg, cfg.torch_dtype)
-        self.model = Model(self.model_cfg, weights, cfg.torch_dtype)
-        mc = self.model_cfg
-        dc = load_config(cfg.draft_model) if cfg.speculative else None
-        if dc is not None and dc.vocab_size != mc.vocab_size:
-            raise ValueError(f"draft model {cfg.draft_model} has vocab_size {dc.vocab_size}; "
-                             f"the target's is {mc.vocab_size}: they must share a tokenizer")
+        self.model = Model(mc, load_weights(cfg.model, mc, cfg.torch_dtype), cfg.torch_dtype)
+        dc = self._draft_config()
         models = [c for c in (mc, dc) if c is not None]
         self.max_model_len = min([cfg.max_model_len or mc.max_position]
                                  + [c.max_position for c in models])
@@ -93,31 +75,44 @@ class LLMEngine(PrefixCacheMixin):
         block_bytes = sum(kv_block_bytes(c, cfg.block_size, cfg.torch_dtype) for c in models)
         num_blocks = cfg.num_blocks or max(1, cfg.kv_cache_bytes // block_bytes)
         self.kv = kv_pool(mc, num_blocks, cfg.block_size, cfg.torch_dtype)
-        self.draft_kv = self.spec = None
-        if dc is not None:
-            from .spec.runner import SpecRunner
-            self.draft_kv = kv_pool(dc, num_blocks, cfg.block_size, cfg.torch_dtype)
-            draft = Model(dc, load_weights(cfg.draft_model, dc, cfg.torch_dtype), cfg.torch_dtype)
-            self.spec = SpecRunner(self, draft)
         self.pool = BlockPool(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(cfg, self.pool)
-        if self.spec is not None:
-            self.scheduler.lookahead = self.spec.lookahead
+        self.draft_kv = self.spec = None
+        if dc is not None:
+            self._start_speculation(dc, num_blocks)
         self.requests: dict[str, _Req] = {}
-        self.remote: dict[str, Sequence] = {}      # reserved, awaiting remote KV
-        self.quarantined: dict[str, list[int]] = {}  # aborted remote requests' blocks
         self._arrival = itertools.count()
         self._rng = random.Random()
         self.lock = threading.RLock()
         self._inflight: set[str] = set()
         self._deferred_aborts: set[str] = set()
         self._grammar = None
-        fp = self.tokenizer.fingerprint if self.tokenizer is not None else ""
-        self.cache_salt = prefix_salt(str(mc), fp, cfg.dtype, str(cfg.block_size))
         self.counters = {"prefix_hit_tokens": 0, "prompt_tokens": 0, "loads": 0,
                          "load_failures": 0, "loaded_blocks": 0,
                          "spec_steps": 0, "spec_proposed": 0, "spec_accepted": 0}
-        self.last_load: dict = {}       # timeline of the latest completed layer-wise load
+        fp = self.tokenizer.fingerprint if self.tokenizer is not None else ""
+        self.cache_salt = prefix_salt(str(mc), fp, cfg.dtype, str(cfg.block_size))
+        self.prefix = PrefixCache(cfg, self.pool, self.kv, mc.num_layers, self.cache_salt,
+                                  self.lock, self.counters)
+
+    def _draft_config(self):
+        if not self.cfg.speculative:
+            return None
+        dc = load_config(self.cfg.draft_model)
+        if dc.vocab_size != self.model_cfg.vocab_size:
+            raise ValueError(f"draft model {self.cfg.draft_model} has vocab_size {dc.vocab_size}; "
+                             f"the target's is {self.model_cfg.vocab_size}: they must share a "
+                             "tokenizer")
+        return dc
+
+    def _start_speculation(self, dc, num_blocks: int) -> None:
+        from .spec.runner import SpecRunner
+
+        cfg = self.cfg
+        self.draft_kv = kv_pool(dc, num_blocks, cfg.block_size, cfg.torch_dtype)
+        draft = Model(dc, load_weights(cfg.draft_model, dc, cfg.torch_dtype), cfg.torch_dtype)
+        self.spec = SpecRunner(self, draft)
+        self.scheduler.lookahead = self.spec.lookahead
 
     @property
     def grammar(self):
@@ -127,15 +122,31 @@ class LLMEngine(PrefixCacheMixin):
             self._grammar = GrammarCompiler(self.tokenizer, vocab_size=self.model_cfg.vocab_size)
         return self._grammar
 
+    # ---- prefix cache (prefix_cache.py) ---------------------------------------------
+    def prefix_keys(self, prompt_ids: list[int]) -> list[bytes]:
+        return self.prefix.keys(prompt_ids)
+
+    def cached_prefix_tokens(self, prompt_ids: list[int]) -> int:
+        return self.prefix.cached_tokens(prompt_ids)
+
+    def write_loaded_layer(self, load: LayerLoad, layer: int, data: torch.Tensor,
+                           b0: int = 0) -> bool:
+        return self.prefix.write_loaded_layer(load, layer, data, b0)
+
+    @property
+    def last_load(self) -> dict:
+        return self.prefix.last_load
+
     # ---- requests -----------------------------------------------------------------
     def check_request(self, prompt_ids: list[int], params) -> None:
         """ValueError with the numbers when a request can never be served."""
         params.check(self.model_cfg.vocab_size)
         if not prompt_ids:
             raise ValueError("prompt is empty")
-        bad = [t for t in prompt_ids if not 0 <= t < self.model_cfg.vocab_size]
+        V = self.model_cfg.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < V]
         if bad:
-            raise ValueError(f"prompt token ids out of range [0, {self.model_cfg.vocab_size}): {bad[:5]}")
+            raise ValueError(f"prompt token ids out of range [0, {V}): {bad[:5]}")
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -150,6 +161,8 @@ class LLMEngine(PrefixCacheMixin):
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.check_request(prompt_ids, params)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
         state = None
         if constraint is not None and constraint.kind.value != "none":
             if self.tokenizer is None:
@@ -157,8 +170,6 @@ class LLMEngine(PrefixCacheMixin):
             state = self.grammar.new_state(constraint)   # ConstraintError is a ValueError
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(request_id, list(prompt_ids), params, seed, next(self._arrival))
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer")
         detok = None
         if self.tokenizer is not None:
             from .tokenizer import IncrementalDetokenizer
@@ -176,14 +187,13 @@ class LLMEngine(PrefixCacheMixin):
         with self.lock:
             seq = self._new_seq(request_id, prompt_ids, params, constraint)
             seq.stop_after_prefill = prefill_only
-            load = self._attach_prefix(seq, tier_blocks)
+            load = self.prefix.attach(seq, tier_blocks)
             self.scheduler.add(seq)
             return load
 
-    def abort(self, request_id: str, quarantine: bool = False) -> bool:
+    def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks (after the current forward if it is in
-        one). quarantine: a request still awaiting remote KV keeps its blocks out of the
-        pool until release_quarantined(). Returns whether the request was known."""
+        one). Returns whether the request was known."""
         with self.lock:
             req = self.requests.get(request_id)
             if req is None:
@@ -191,50 +201,24 @@ class LLMEngine(PrefixCacheMixin):
             if request_id in self._inflight:
                 self._deferred_aborts.add(request_id)
                 return True
-            self._finish_abort(req.seq, quarantine)
+            self._finish_abort(req.seq)
             return True
 
-    def _finish_abort(self, seq: Sequence, quarantine: bool = False) -> None:
+    def _finish_abort(self, seq: Sequence) -> None:
         self.requests.pop(seq.request_id, None)
-        cancel_load(seq)
-        if self.remote.pop(seq.request_id, None) is not None:
-            self._drop_blocks(seq, quarantine)
-            return
         self.scheduler.finish(seq, "abort")
 
-    def _drop_blocks(self, seq: Sequence, quarantine: bool) -> None:
-        if quarantine:
-            self.quarantined[seq.request_id] = seq.block_table
-        else:
-            self.pool.free(seq.block_table)
-        seq.block_table = []
-
-    def release_quarantined(self, request_id: str) -> int:
-        """Return a quarantined request's blocks to the pool; how many there were."""
+    # ---- held sequences (KV filled from outside) ----------------------------------
+    def hold(self, request_id: str, prompt_ids: list[int], params, constraint=None,
+             tier_blocks: int = 0, reserve_tokens: int = 0) -> tuple[Sequence, LayerLoad | None]:
+        """A sequence with blocks for max(reserve_tokens, prompt) tokens, not scheduled:
+        its leading seq.num_cached prompt tokens come from the prefix cache (L1, or the
+        returned load from a lower tier), the caller fills the rest. Raises NoFreeBlocks
+        when short (nothing is kept)."""
         with self.lock:
-            blocks = self.quarantined.pop(request_id, [])
-            self.pool.free(blocks)
-            return len(blocks)
-
-    @property
-    def num_quarantined(self) -> int:
-        return sum(len(b) for b in self.quarantined.values())
-
-    # ---- remote prefill (decode side) ------------------------------------------------
-    def reserve_remote(self, request_id: str, prompt_ids: list[int], params,
-                       constraint=None, tier_blocks: int = 0) -> Reservation:
-        """Allocate blocks for a prompt another process prefills. The prompt's prefix
-        cached here (L1), or loaded here from a lower tier holding `tier_blocks` leading
-        blocks (the returned load, which the caller fills), is not written by the
-        prefill: `skip` leading prompt blocks are left out of the writer's blocks.
-        Raises NoFreeBlocks when short."""
-        with self.lock:
-            if len(self.scheduler.running) + len(self.remote) >= self.cfg.max_num_seqs * 4:
-                raise NoFreeBlocks("too many requests awaiting KV")
-            n = len(prompt_ids) + (params.max_tokens if self.cfg.deterministic else 0)
             seq = self._new_seq(request_id, prompt_ids, params, constraint)
-            load = self._attach_prefix(seq, tier_blocks)
-            need = self.pool.blocks_for(max(n, len(prompt_ids))) - len(seq.block_table)
+            load = self.prefix.attach(seq, tier_blocks)
+            need = self.pool.blocks_for(max(reserve_tokens, len(prompt_ids))) - len(seq.block_table)
             try:
                 seq.block_table += self.pool.allocate(need)
             except Exception:
@@ -242,55 +226,53 @@ class LLMEngine(PrefixCacheMixin):
                 cancel_load(seq)
                 self.pool.free(seq.block_table)
                 raise
-            self.remote[request_id] = seq
-            skip = seq.num_cached // self.cfg.block_size
-            dest = seq.block_table[skip:self.pool.blocks_for(len(prompt_ids))]
-            return Reservation(dest, [self.pool.epoch[b] for b in dest], skip, load)
+            seq.status = SeqStatus.HELD
+            return seq, load
 
-    def accept_kv(self, block_ids: list[int], epochs: list[int]) -> bool:
-        """Whether a KV write may land: every block is still in the epoch the write was
-        issued under (the epoch fence). Any reallocation or start_remote() changes a
-        block's epoch, so a late write can never reach a block that has moved on; one
-        that lands in its own still-reserved or quarantined blocks harms nobody.
-        With cfg.epoch_fence off (TEST ONLY) every write lands where it points, like a
-        one-sided RDMA write with no fence. Call under lock."""
-        if len(block_ids) != len(epochs) or not all(
-                0 <= b < self.pool.num_blocks for b in block_ids):
-            return False
-        if not self.cfg.epoch_fence:
-            return True
-        return all(self.pool.epoch[b] == e for b, e in zip(block_ids, epochs))
-
-    def start_remote(self, request_id: str, first_token: int, logprob=None,
-                     top_logprobs=None) -> RequestOutput:
-        """All prompt KV has landed: join the batch with the first token prefill sampled.
-        Raises ReplayError (request dropped) if the token breaks this side's grammar:
-        prefill and decode disagree about the constraint, and guessing would be wrong."""
-        from .sampling import SampleOutput
-
+    def resume(self, request_id: str, first_token: int, logprob=None,
+               top_logprobs=None) -> RequestOutput:
+        """A held sequence's prompt KV is all in: join the batch with its first token.
+        Raises ReplayError (request dropped) if the token breaks the request's grammar."""
         with self.lock:
-            state = self.requests[request_id].constraint
-            if state is not None and not state.accept(first_token):
+            req = self.requests[request_id]
+            seq = req.seq
+            if seq.status is not SeqStatus.HELD:
+                raise ValueError(f"request {request_id!r} is not held")
+            if req.constraint is not None and not req.constraint.accept(first_token):
                 from .grammar import ReplayError
-                self._finish_abort(self.requests[request_id].seq)
+                self._finish_abort(seq)
                 raise ReplayError(0, first_token)
-            seq = self.remote.pop(request_id)
-            self.pool.restamp(seq.block_table)   # no write may land from now on
             seq.num_computed = len(seq.prompt_ids)
-            self._register(seq)
+            self.prefix.register(seq)
             self.scheduler.add_running(seq)
-            return self.append_token(seq, first_token, SampleOutput(first_token, logprob, top_logprobs))
+            return self.append_token(seq, first_token,
+                                     SampleOutput(first_token, logprob, top_logprobs))
 
-    def prefill_locally(self, request_id: str, quarantine: bool = False) -> None:
-        """Give up on the remote prefill: compute the prompt here, in fresh blocks.
-        quarantine: the reserved blocks stay out of the pool (see abort)."""
+    def detach_blocks(self, request_id: str) -> list[int]:
+        """A held sequence gives its blocks to the caller, who frees them (free_blocks)
+        once nobody can write them any more; the sequence keeps none."""
         with self.lock:
-            seq = self.remote.pop(request_id)
+            seq = self.requests[request_id].seq
+            if seq.status is not SeqStatus.HELD:
+                raise ValueError(f"request {request_id!r} is not held")
             cancel_load(seq)
-            self._drop_blocks(seq, quarantine)
-            self._attach_prefix(seq)
+            blocks, seq.block_table = seq.block_table, []
+            return blocks
+
+    def requeue(self, request_id: str) -> None:
+        """A held sequence (blocks detached) computes its own prompt, in fresh blocks."""
+        with self.lock:
+            seq = self.requests[request_id].seq
+            if seq.status is not SeqStatus.HELD or seq.block_table:
+                raise ValueError(f"request {request_id!r} is not held without blocks")
+            self.prefix.attach(seq)
             self.scheduler.add(seq)
 
+    def free_blocks(self, blocks: list[int]) -> None:
+        with self.lock:
+            self.pool.free(blocks)
+
+    # ---- prefill-only requests -----------------------------------------------------
     def kept_blocks(self, request_id: str) -> list[int]:
         """Blocks of a finished prefill-only request (valid until release())."""
         return list(self.requests[request_id].seq.block_table)
@@ -317,7 +299,7 @@ class LLMEngine(PrefixCacheMixin):
         if self.spec is not None:
             self.spec.propose(batch)      # draft forwards: fill s.drafts (without the lock)
         with self.lock:
-            input_ids, meta, sampled = self.prepare(batch)
+            input_ids, meta, sampled = build_batch(batch, self.cfg)
         try:
             logits = self.model.forward(input_ids, meta, self.kv)
         except LoadFailed:
@@ -326,7 +308,7 @@ class LLMEngine(PrefixCacheMixin):
             self._inflight = set()
             outs = [] if logits is None else self.postprocess(batch, sampled, logits)
             if logits is None:
-                self._recompute_failed_loads(batch)
+                self.prefix.recompute_failed_loads(batch)
             for rid in self._deferred_aborts:
                 req = self.requests.get(rid)
                 if req is not None:
@@ -334,66 +316,11 @@ class LLMEngine(PrefixCacheMixin):
             aborted, self._deferred_aborts = self._deferred_aborts, set()
             return [o for o in outs if o.request_id not in aborted]
 
-    def prepare(self, batch: list[Scheduled]):
-        """Flat batch: decode rows first (batched paged attention), then chunks.
-        A speculative step's rows are its last token then its drafts, each attending like
-        a decode row over its own position; all of them are sampled."""
-        bs = self.cfg.block_size
-        det = self.cfg.deterministic
-        # a lone decode row attends through SDPA on its exact context (cheaper than the
-        # padded batched path at batch size 1)
-        decode = [] if det else [s for s in batch if s.rows == 1 or s.drafts]
-        if sum(s.rows for s in decode) == 1:
-            decode = []
-        chunks = [s for s in batch if s not in decode]
-        ids, pos, slots, spans, rows, sampled = [], [], [], [], [], []
-        row = 0
-        for s, is_chunk in [(s, False) for s in decode] + [(s, True) for s in chunks]:
-            seq = s.seq
-            p = list(range(s.start, s.start + s.rows))
-            ids += [seq.token_at(i) for i in p[:s.n]] + s.drafts
-            pos += p
-            slots += [seq.block_table[i // bs] * bs + i % bs for i in p]
-            if is_chunk:
-                ctx = s.start + s.rows
-                bt = torch.tensor(seq.block_table, dtype=torch.long)
-                ctx_slots = (bt.unsqueeze(1) * bs + torch.arange(bs)).flatten()[:ctx]
-                if det and s.drafts:   # each row exactly as its own decode step computes it
-                    spans += [SeqSpan(row + j, 1, i + 1, ctx_slots[:i + 1])
-                              for j, i in enumerate(p)]
-                else:
-                    spans.append(SeqSpan(row, s.rows, ctx, ctx_slots))
-            row += s.rows
-            if s.samples:
-                rows += range(row - 1 - len(s.drafts), row)
-                sampled.append(s)
-        meta = BatchMeta(positions=torch.tensor(pos), slot_mapping=torch.tensor(slots),
-                         spans=spans, logits_rows=torch.tensor(rows, dtype=torch.long))
-        if self.cfg.load_guard:   # compute on layer i waits for layer i of these loads
-            meta.loads = [s.seq.load for s in batch if s.seq.load is not None]
-            meta.load_timeout_s = self.cfg.load_timeout_s
-        if decode:
-            nb = max(len(s.seq.block_table) for s in decode)
-            meta.num_decode = sum(s.rows for s in decode)
-            meta.block_tables = torch.tensor(
-                [s.seq.block_table + [0] * (nb - len(s.seq.block_table))
-                 for s in decode for _ in range(s.rows)], dtype=torch.int32)
-            meta.context_lens = torch.tensor([i + 1 for s in decode
-                                              for i in range(s.start, s.start + s.rows)],
-                                             dtype=torch.int32)
-        if det:  # fixed shapes: pad rows and the LM head's M
-            pad = self.cfg.max_num_batched_tokens - row
-            ids += [0] * pad
-            meta.positions = torch.cat([meta.positions, torch.zeros(pad, dtype=torch.long)])
-            meta.slot_mapping = torch.cat([meta.slot_mapping, torch.full((pad,), -1)])
-            meta.pad_logits_to = self.cfg.max_num_batched_tokens
-        return torch.tensor(ids, dtype=torch.long), meta, sampled
-
     def postprocess(self, batch, sampled, logits) -> list[RequestOutput]:
         for s in batch:
             s.seq.num_computed = s.start + s.n
             if s.seq.keys:
-                self._register(s.seq)
+                self.prefix.register(s.seq)
         outs, r = [], 0
         V = logits.shape[-1]
         for s in sampled:
@@ -457,5 +384,5 @@ class LLMEngine(PrefixCacheMixin):
     def stats(self) -> dict:
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "blocks_free": self.pool.num_free, "blocks_used": self.pool.num_used,
-                "blocks_quarantined": self.num_quarantined, "blocks_total": self.pool.num_blocks,
+                "blocks_total": self.pool.num_blocks,
                 **self.pool.stats(), **self.counters}

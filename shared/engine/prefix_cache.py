@@ -1,42 +1,58 @@
-"""The engine's prefix-cache side (tier L1 and lower-tier loads), mixed into LLMEngine.
+"""The engine's prefix cache (tier L1) and its lower-tier loads.
 
 Whole prompt blocks are indexed by a chained key of their tokens (prefix.py); a request
 takes the longest cached prefix from the pool (L1) and computes only the rest. A longer
 prefix held by a lower tier (kvstore) is loaded layer by layer into fresh blocks
 (layer_load.py) while the rest computes; a failed load is recomputed. In deterministic
 mode only whole chunks are shared: their KV is bit-identical however the prompt is split.
-Methods run under the engine's lock unless they take it themselves.
+
+Everything it uses is passed in: the engine's settings, block pool, KV pool, lock and
+counters. Methods run under the engine's lock unless they take it themselves.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
-from .block_pool import NoFreeBlocks
+from .block_pool import BlockPool, NoFreeBlocks
+from .config import EngineConfig
 from .layer_load import LayerLoad
 from .prefix import block_keys
 from .scheduler import Scheduled, cancel_load
 from .sequence import Sequence
 
 
-class PrefixCacheMixin:
-    def prefix_keys(self, prompt_ids: list[int]) -> list[bytes]:
+class PrefixCache:
+    def __init__(self, cfg: EngineConfig, pool: BlockPool, kv: torch.Tensor, num_layers: int,
+                 salt: bytes, lock: threading.RLock, counters: dict):
+        self.cfg = cfg
+        self.pool = pool
+        self.kv = kv
+        self.num_layers = num_layers
+        self.salt = salt
+        self.lock = lock
+        self.counters = counters
+        self.last_load: dict = {}       # timeline of the latest completed layer-wise load
+
+    def keys(self, prompt_ids: list[int]) -> list[bytes]:
         """Keys of the prompt's blocks that may be shared (with L1 or a lower tier)."""
         bs, C, n = self.cfg.block_size, self.cfg.chunk_size, len(prompt_ids)
         if self.cfg.deterministic:   # only whole chunks: their KV does not depend on the split
             nb = 0 if C % bs else (n // C) * C // bs
         else:
             nb = n // bs
-        return block_keys(prompt_ids, bs, self.cache_salt, nb)
+        return block_keys(prompt_ids, bs, self.salt, nb)
 
-    def cached_prefix_tokens(self, prompt_ids: list[int]) -> int:
+    def cached_tokens(self, prompt_ids: list[int]) -> int:
         """Prompt tokens an L1 hit would serve right now (a peek: nothing is taken)."""
         with self.lock:
-            if not self.cfg.prefix_caching:
+            if not self.cfg.prefix_cache:
                 return 0
-            keys = self.prefix_keys(prompt_ids)
-            return self._usable(len(self.pool.match(keys)), len(prompt_ids)) * self.cfg.block_size
+            hit = len(self.pool.match(self.keys(prompt_ids)))
+            return self.usable(hit, len(prompt_ids)) * self.cfg.block_size
 
-    def _usable(self, nblocks: int, prompt_len: int) -> int:
+    def usable(self, nblocks: int, prompt_len: int) -> int:
         """A hit leaves at least one prompt token to compute (its logits are sampled) and,
         in deterministic mode, ends on a chunk boundary."""
         bs = self.cfg.block_size
@@ -45,42 +61,42 @@ class PrefixCacheMixin:
             nblocks -= nblocks % (self.cfg.chunk_size // bs)
         return max(0, nblocks)
 
-    def _attach_prefix(self, seq: Sequence, tier_blocks: int = 0) -> LayerLoad | None:
+    def attach(self, seq: Sequence, tier_blocks: int = 0) -> LayerLoad | None:
         """Give a new sequence its cached prefix: L1 blocks (referenced), plus fresh blocks
         for a lower tier's longer prefix, to be filled by the returned LayerLoad."""
         seq.block_table, seq.num_registered = [], 0
         seq.num_computed = seq.num_l1 = seq.num_cached = seq.draft_computed = 0
-        seq.keys = self.prefix_keys(seq.prompt_ids)
+        seq.keys = self.keys(seq.prompt_ids)
         self.counters["prompt_tokens"] += len(seq.prompt_ids)
         if not seq.keys:
             return None
-        bs = self.cfg.block_size
-        l1 = self.pool.match(seq.keys) if self.cfg.prefix_caching else []
-        total = self._usable(max(len(l1), tier_blocks), len(seq.prompt_ids))
+        l1 = self.pool.match(seq.keys) if self.cfg.prefix_cache else []
+        total = self.usable(max(len(l1), tier_blocks), len(seq.prompt_ids))
         l1 = l1[:total]
         if total > len(l1):       # a load starts where L1 ends: keep that on a chunk boundary
-            l1 = l1[:self._usable(len(l1), len(seq.prompt_ids))]
+            l1 = l1[:self.usable(len(l1), len(seq.prompt_ids))]
         self.pool.take(l1, queried=len(seq.keys))
         seq.block_table = list(l1)
-        load = None
-        if total > len(l1):
-            try:
-                fresh = self.pool.allocate(total - len(l1))
-            except NoFreeBlocks:
-                total = len(l1)
-            else:
-                seq.block_table += fresh
-                load = LayerLoad(seq.request_id, self.model_cfg.num_layers, fresh,
-                                 seq.keys[len(l1):total], len(l1))
-                seq.load = load
-                self.counters["loads"] += 1
+        load = self._start_load(seq, len(l1), total) if total > len(l1) else None
+        if load is None:
+            total = len(l1)
         seq.num_registered = len(l1)
-        seq.num_l1 = len(l1) * bs
-        seq.num_computed = seq.num_cached = total * bs
+        seq.num_l1 = len(l1) * self.cfg.block_size
+        seq.num_computed = seq.num_cached = total * self.cfg.block_size
         self.counters["prefix_hit_tokens"] += seq.num_cached
         return load
 
-    def _register(self, seq: Sequence) -> None:
+    def _start_load(self, seq: Sequence, first: int, total: int) -> LayerLoad | None:
+        try:
+            fresh = self.pool.allocate(total - first)
+        except NoFreeBlocks:
+            return None
+        seq.block_table += fresh
+        seq.load = LayerLoad(seq.request_id, self.num_layers, fresh, seq.keys[first:total], first)
+        self.counters["loads"] += 1
+        return seq.load
+
+    def register(self, seq: Sequence) -> None:
         """Index the sequence's whole prompt blocks whose KV is now complete."""
         limit = len(seq.keys)
         if seq.load is not None:
@@ -90,7 +106,7 @@ class PrefixCacheMixin:
                 seq.load = None
             else:
                 limit = seq.load.first_block    # loaded blocks count once all layers landed
-        if not self.cfg.prefix_caching:
+        if not self.cfg.prefix_cache:
             return
         upto = min(limit, seq.num_computed // self.cfg.block_size)
         while seq.num_registered < upto:
@@ -98,7 +114,8 @@ class PrefixCacheMixin:
             self.pool.register(seq.block_table[i], seq.keys[i])
             seq.num_registered += 1
 
-    def write_loaded_layer(self, load: LayerLoad, layer: int, data: torch.Tensor, b0: int = 0) -> bool:
+    def write_loaded_layer(self, load: LayerLoad, layer: int, data: torch.Tensor,
+                           b0: int = 0) -> bool:
         """Copy data [2, n, block_size, Hkv, D] into layer `layer` of the load's blocks
         b0..b0+n (the loader's side). False once the request went away: nothing written."""
         with self.lock:
@@ -108,7 +125,7 @@ class PrefixCacheMixin:
             self.kv[layer, :, ids] = data
             return True
 
-    def _recompute_failed_loads(self, batch: list[Scheduled]) -> None:
+    def recompute_failed_loads(self, batch: list[Scheduled]) -> None:
         """A load failed mid-forward: nothing of this step counts. Sequences whose load
         failed compute those blocks themselves (same blocks, from where L1 ended)."""
         for s in batch:

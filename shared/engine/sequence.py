@@ -3,7 +3,8 @@
 Prefill and decode are the same thing here (as in vLLM v1): a sequence has
 `num_computed` tokens whose K/V are in its blocks; a step computes some of the rest, and
 when a step reaches the last token a new token is sampled. A sequence whose prompt KV
-was written by a remote prefill enters with num_computed = len(prompt).
+was written by a remote prefill is HELD (not scheduled) until it enters with
+num_computed = len(prompt).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from shared.contracts.sampling import SamplingParams
 
 
 class SeqStatus(enum.Enum):
+    HELD = "held"            # blocks allocated, not scheduled: its KV is filled from outside
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"

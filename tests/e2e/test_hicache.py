@@ -48,7 +48,7 @@ def prompts(tiny_tokenizer):
 
 @pytest.fixture(scope="module")
 def reference(tiny_target, prompts):
-    eng = reference_engine(tiny_target, prefix_caching=False)
+    eng = reference_engine(tiny_target, prefix_cache=False)
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     return [r["token_ids"] for r in eng.generate(prompts, sp)]
 
@@ -144,7 +144,7 @@ def _disk_dir(mesh) -> Path:
 def test_l3_hits_and_eviction_under_a_tiny_budget(l3_mesh, prompts, reference):
     # a short shared prefix (the first 160 tokens: 10 blocks) fits the budget
     short = [p[:160] + p[400:] for p in prompts]
-    eng_ref = reference_engine(l3_mesh.model, prefix_caching=False)
+    eng_ref = reference_engine(l3_mesh.model, prefix_cache=False)
     want = [r["token_ids"] for r in eng_ref.generate(
         short, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))]
     got, cached = run_prompts(l3_mesh, short)
@@ -162,7 +162,7 @@ def test_l3_hits_and_eviction_under_a_tiny_budget(l3_mesh, prompts, reference):
 
 def test_corrupt_l3_block_is_detected_and_recomputed(l3_mesh, prompts, reference):
     p = prompts[3][:160] + prompts[3][400:]
-    want = reference_engine(l3_mesh.model, prefix_caching=False).generate(
+    want = reference_engine(l3_mesh.model, prefix_cache=False).generate(
         [p], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))[0]["token_ids"]
     run_prompts(l3_mesh, [p], seed_first=True)      # its blocks are on disk now
     files = sorted(f for f in _disk_dir(l3_mesh).rglob("*") if f.is_file())

@@ -47,7 +47,7 @@ def run_one(eng: LLMEngine, rid: str, p: list[int], **kw) -> list[int]:
 
 @pytest.fixture(scope="module")
 def reference(tiny_target):
-    ref = engine(tiny_target, prefix_caching=False)
+    ref = engine(tiny_target, prefix_cache=False)
     ps = prompts(20)
     return ps, [run_one(ref, f"r{i}", p)[0] for i, p in enumerate(ps)]
 
@@ -73,7 +73,7 @@ def test_l1_eviction_under_a_tiny_pool(tiny_target, reference):
 
 def _donor_kv(tiny_target, p):
     """KV of p's prefix, computed by another engine (what kvstore would hold)."""
-    donor = engine(tiny_target, prefix_caching=False)
+    donor = engine(tiny_target, prefix_cache=False)
     donor.add_request("d", p, GREEDY, prefill_only=True)
     while donor.has_unfinished:
         donor.step()
@@ -91,7 +91,7 @@ def _loader(eng, ld, donor_kv, donor_blocks, delay, rng):
 def _loaded_run(tiny_target, reference, guard: bool) -> int:
     ps, want = reference
     rng = random.Random(1)
-    eng = engine(tiny_target, prefix_caching=False, load_guard=guard)
+    eng = engine(tiny_target, prefix_cache=False, load_guard=guard)
     donor_kv, donor_blocks = _donor_kv(tiny_target, ps[0])
     wrong = 0
     for i, p in enumerate(ps):
@@ -123,7 +123,7 @@ def test_without_the_readiness_guard_outputs_go_wrong(tiny_target, reference):
 
 def test_a_failed_load_is_recomputed(tiny_target, reference):
     ps, want = reference
-    eng = engine(tiny_target, prefix_caching=False)
+    eng = engine(tiny_target, prefix_cache=False)
     for i, p in enumerate(ps[:3]):
         load = eng.add_request(f"f{i}", p, GREEDY, tier_blocks=12)
         threading.Timer(0.01, load.fail, args=("checksum mismatch",)).start()

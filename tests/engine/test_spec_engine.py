@@ -133,7 +133,7 @@ def test_prefix_cache_hits_change_nothing(tiny_target, tiny_draft):
     ps = [shared + [rng.randrange(10, 8000) for _ in range(rng.randrange(3, 20))]
           for _ in range(6)]
     p = SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True)
-    want = tokens(run(engine(tiny_target, prefix_caching=False), ps, p))
+    want = tokens(run(engine(tiny_target, prefix_cache=False), ps, p))
     eng = engine(tiny_target, tiny_draft)
     first = run(eng, ps[:1], p)          # its prompt blocks enter the cache
     rest = run(eng, ps[1:], p)           # these share them (target KV only) while drafting
@@ -192,11 +192,12 @@ def test_remote_prefill_then_speculative_decode(tiny_target, tiny_draft, prompts
         while worker.has_unfinished:
             for o in worker.step():
                 first[rid] = o.new_token_ids[0]
-        r = eng.reserve_remote(rid, prompts[i], greedy(i))
-        dest, skip = r[0], r[2]           # blocks to write, leading blocks cached here
+        seq, _ = eng.hold(rid, prompts[i], greedy(i))
+        skip = seq.num_cached // eng.cfg.block_size    # leading blocks cached here
+        dest = seq.block_table[skip:]
         eng.kv[:, :, dest] = worker.kv[:, :, worker.kept_blocks(rid)[skip:skip + len(dest)]]
         worker.release(rid)
-    res = {rid: eng.start_remote(rid, tok).new_token_ids for rid, tok in first.items()}
+    res = {rid: eng.resume(rid, tok).new_token_ids for rid, tok in first.items()}
     while eng.has_unfinished:
         for o in eng.step():
             res[o.request_id] += o.new_token_ids

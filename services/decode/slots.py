@@ -1,0 +1,105 @@
+"""Decode's side of the PD slot protocol, over the engine's held sequences.
+
+    reserve  a held sequence with blocks for the prompt; the leading blocks decode already
+             has (its L1, or a kvstore load it runs itself) are skipped, the rest are the
+             writer's destination, each stamped with its current epoch
+    write    a KV write lands only if every block it names is still in the epoch the
+             write was issued under (the epoch fence, invariant 3's second guard)
+    start    every write is in: new epochs for the blocks (no write may land from now on),
+             and the sequence joins the batch with prefill's first token
+    fallback the remote prefill is given up: the reserved blocks leave the sequence
+             (freed or quarantined by the caller) and it computes its own prompt
+    drop     abort: the reserved blocks leave the sequence (freed or quarantined)
+
+Who may still write which blocks, and when quarantined blocks go back, is the request
+table's business (lifecycle.py); this module only touches the engine.
+Test-only guard switch: epoch_fence=False lets every write land where it points, like a
+one-sided RDMA write with no fence.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.contracts.kv import KvWrite
+from shared.engine.block_pool import NoFreeBlocks
+from shared.engine.engine import LLMEngine
+from shared.engine.layer_load import LayerLoad
+from shared.engine.output import RequestOutput
+from shared.kv.wire import unpack_into
+
+
+@dataclass(frozen=True, slots=True)
+class Slots:
+    """What decode reserved for one request's remote prefill."""
+    dest: list[int]            # the writer fills these (prompt blocks skip.. end)
+    epochs: list[int]
+    held: list[int]            # every engine block the request holds meanwhile
+    skip: int                  # leading prompt blocks served here (L1 or the load)
+    load: LayerLoad | None     # the caller fills it from kvstore
+
+
+class KvSlots:
+    def __init__(self, engine: LLMEngine, epoch_fence: bool = True, max_held: int = 0):
+        self.engine = engine
+        self.epoch_fence = epoch_fence
+        self.max_held = max_held or engine.cfg.max_num_seqs * 4
+
+    def reserve(self, rid: str, prompt_ids: list[int], params, constraint=None,
+                tier_blocks: int = 0, held_now: int = 0) -> Slots:
+        """Raises NoFreeBlocks when short (or too many requests await KV)."""
+        eng = self.engine
+        if len(eng.scheduler.running) + held_now >= self.max_held:
+            raise NoFreeBlocks("too many requests awaiting KV")
+        reserve = len(prompt_ids) + (params.max_tokens if eng.cfg.deterministic else 0)
+        seq, load = eng.hold(rid, prompt_ids, params, constraint, tier_blocks, reserve)
+        with eng.lock:
+            skip = seq.num_cached // eng.cfg.block_size
+            dest = seq.block_table[skip:eng.pool.blocks_for(len(prompt_ids))]
+            return Slots(dest, [eng.pool.epoch[b] for b in dest], list(seq.block_table),
+                         skip, load)
+
+    def write(self, w: KvWrite, payload) -> bool:
+        """Apply one KV write if the fence lets it land; whether it landed. ValueError
+        when the payload does not fit the pool."""
+        eng = self.engine
+        with eng.lock:
+            landed = self._fence(w.block_ids, w.epochs)
+            if landed:
+                unpack_into(eng.kv, w.block_ids, w.layer_start, w.layer_end, payload, w.dtype,
+                            w.shape)
+            return landed
+
+    def _fence(self, block_ids: list[int], epochs: list[int]) -> bool:
+        pool = self.engine.pool
+        if len(block_ids) != len(epochs) or not all(0 <= b < pool.num_blocks for b in block_ids):
+            return False
+        if not self.epoch_fence:
+            return True
+        return all(pool.epoch[b] == e for b, e in zip(block_ids, epochs))
+
+    def start(self, rid: str, first_token: int, logprob=None, top_logprobs=None) -> RequestOutput:
+        """Raises ReplayError (request dropped) if the first token breaks decode's grammar:
+        prefill and decode disagree about the constraint, and guessing would be wrong."""
+        eng = self.engine
+        with eng.lock:
+            eng.pool.restamp(eng.requests[rid].seq.block_table)
+            return eng.resume(rid, first_token, logprob, top_logprobs)
+
+    def fallback(self, rid: str, keep_blocks: bool) -> None:
+        """Prefill here, in fresh blocks. keep_blocks: the reserved ones stay out of the
+        pool (quarantined by the caller), else they are freed."""
+        eng = self.engine
+        blocks = eng.detach_blocks(rid)
+        if not keep_blocks:
+            eng.free_blocks(blocks)
+        eng.requeue(rid)
+
+    def drop(self, rid: str, keep_blocks: bool) -> None:
+        """Abort a request that awaits KV. keep_blocks: as for fallback."""
+        if keep_blocks:
+            self.engine.detach_blocks(rid)
+        self.engine.abort(rid)
+
+    def release(self, blocks: list[int]) -> None:
+        """A quarantine ended: its blocks go back to the pool."""
+        self.engine.free_blocks(blocks)

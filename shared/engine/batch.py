@@ -1,0 +1,100 @@
+"""One step's flat batch: token rows, positions, KV slots and attention metadata.
+
+Rows come in two kinds:
+  decode rows  one pending token (or a speculative step's token and its drafts, each a
+               row at its own position), attended together in one batched paged-attention
+               call; they come first;
+  chunks       prompt chunks (and, in deterministic mode, every step), attended per
+               sequence over exactly that sequence's context (SeqSpan).
+A lone decode row goes through the chunk path too (SDPA on its exact context is cheaper
+than the padded batched call at batch size 1). Deterministic mode pads every forward to
+max_num_batched_tokens rows, so no request's logits depend on its neighbours.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import EngineConfig
+from .model import BatchMeta, SeqSpan
+from .scheduler import Scheduled
+
+
+@dataclass(slots=True)
+class _Rows:
+    ids: list[int] = field(default_factory=list)
+    pos: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    spans: list[SeqSpan] = field(default_factory=list)
+    logits: list[int] = field(default_factory=list)
+    sampled: list[Scheduled] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return len(self.pos)
+
+
+def build_batch(batch: list[Scheduled], cfg: EngineConfig
+                ) -> tuple[torch.Tensor, BatchMeta, list[Scheduled]]:
+    """(input ids, metadata, the scheduled entries whose last rows are sampled)."""
+    decode = _decode_rows(batch, cfg.deterministic)
+    rows = _Rows()
+    for s in decode:
+        _add(rows, s, cfg, chunk=False)
+    for s in batch:
+        if s not in decode:
+            _add(rows, s, cfg, chunk=True)
+    meta = BatchMeta(positions=torch.tensor(rows.pos), slot_mapping=torch.tensor(rows.slots),
+                     spans=rows.spans, logits_rows=torch.tensor(rows.logits, dtype=torch.long))
+    if cfg.load_guard:   # compute on layer i waits for layer i of these loads
+        meta.loads = [s.seq.load for s in batch if s.seq.load is not None]
+        meta.load_timeout_s = cfg.load_timeout_s
+    if decode:
+        _decode_meta(meta, decode)
+    ids = rows.ids
+    if cfg.deterministic:  # fixed shapes: pad rows and the LM head's M
+        pad = cfg.max_num_batched_tokens - rows.n
+        ids = ids + [0] * pad
+        meta.positions = torch.cat([meta.positions, torch.zeros(pad, dtype=torch.long)])
+        meta.slot_mapping = torch.cat([meta.slot_mapping, torch.full((pad,), -1)])
+        meta.pad_logits_to = cfg.max_num_batched_tokens
+    return torch.tensor(ids, dtype=torch.long), meta, rows.sampled
+
+
+def _decode_rows(batch: list[Scheduled], deterministic: bool) -> list[Scheduled]:
+    if deterministic:
+        return []
+    decode = [s for s in batch if s.rows == 1 or s.drafts]
+    return [] if sum(s.rows for s in decode) == 1 else decode
+
+
+def _add(rows: _Rows, s: Scheduled, cfg: EngineConfig, chunk: bool) -> None:
+    """Append one scheduled entry's rows: its tokens, then the drafts they verify."""
+    bs, seq, row = cfg.block_size, s.seq, rows.n
+    p = list(range(s.start, s.start + s.rows))
+    rows.ids += [seq.token_at(i) for i in p[:s.n]] + s.drafts
+    rows.pos += p
+    rows.slots += [seq.block_table[i // bs] * bs + i % bs for i in p]
+    if chunk:
+        ctx = s.start + s.rows
+        bt = torch.tensor(seq.block_table, dtype=torch.long)
+        ctx_slots = (bt.unsqueeze(1) * bs + torch.arange(bs)).flatten()[:ctx]
+        if cfg.deterministic and s.drafts:   # each row exactly as its own decode step computes it
+            rows.spans += [SeqSpan(row + j, 1, i + 1, ctx_slots[:i + 1]) for j, i in enumerate(p)]
+        else:
+            rows.spans.append(SeqSpan(row, s.rows, ctx, ctx_slots))
+    if s.samples:
+        end = row + s.rows
+        rows.logits += range(end - 1 - len(s.drafts), end)
+        rows.sampled.append(s)
+
+
+def _decode_meta(meta: BatchMeta, decode: list[Scheduled]) -> None:
+    nb = max(len(s.seq.block_table) for s in decode)
+    meta.num_decode = sum(s.rows for s in decode)
+    meta.block_tables = torch.tensor(
+        [s.seq.block_table + [0] * (nb - len(s.seq.block_table))
+         for s in decode for _ in range(s.rows)], dtype=torch.int32)
+    meta.context_lens = torch.tensor(
+        [i + 1 for s in decode for i in range(s.start, s.start + s.rows)], dtype=torch.int32)
