@@ -17,23 +17,14 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @triton.jit
 def _paged_attention_decode_kernel(
-    out_ptr,  # [B, Hq, D]
-    q_ptr,  # [B, Hq, D]
-    k_cache_ptr,  # [NB, BS, Hkv, D]
-    v_cache_ptr,  # [NB, BS, Hkv, D], same strides as k_cache
-    block_tables_ptr,  # [B, max_blocks] int32
-    context_lens_ptr,  # [B] int32
+    out_ptr, q_ptr,  # both [B, Hq, D]
+    k_cache_ptr, v_cache_ptr,  # both [NB, BS, Hkv, D], with the same strides
+    block_tables_ptr, context_lens_ptr,  # [B, max_blocks] int32, [B] int32
     qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
-    stride_qb, stride_qh,
-    stride_ob, stride_oh,
-    stride_cb, stride_ct, stride_ch,
-    stride_bt,
-    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
-    HEAD_DIM: tl.constexpr,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,  # tokens per cache block, head dim
     GROUP: tl.constexpr,  # Hq // Hkv
-    BS_POW2: tl.constexpr,
-    D_POW2: tl.constexpr,
-    G_POW2: tl.constexpr,
+    BS_POW2: tl.constexpr, D_POW2: tl.constexpr, G_POW2: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)

@@ -162,57 +162,20 @@ class DecodeClient:
         """To the best instance not yet tried; refusals that another may not share move
         on to the next (under a fresh request id)."""
         tried = sub.tried
-        prompt_ids, request_id = sub.prompt_ids, sub.request_id
         reasons: list[str] = []
-        cached = self.affinity.best(prompt_ids)
+        cached = self.affinity.best(sub.prompt_ids)
         while (inst := self.registry.choose(self.clock(), tried, cached)) is not None:
-            rid = request_id if not tried else f"{request_id}.{len(tried)}"
+            rid = sub.request_id if not tried else f"{sub.request_id}.{len(tried)}"
             tried.add(inst)
             queue: asyncio.Queue = asyncio.Queue()
             self.queues[rid] = queue
-            msg = DecodeSubmit(request_id=rid, prompt_ids=prompt_ids, params=sub.params,
-                               constraint=sub.constraint, tokenizer_fingerprint=self.fingerprint,
-                               reply_subject=self.reply_subject, force_path=sub.force_path)
-            try:
-                reply = await self.nc.request(subjects.decode_submit(inst), encode(msg),
-                                              timeout=self.submit_timeout_s)
-                ack = decode_reply(reply.data, reply.headers, ACK)
-            except ServiceError as e:
-                self.queues.pop(rid, None)
-                err = e.reply
-                if err.code in RETRY_ELSEWHERE:
-                    reasons.append(f"{inst}: {err.code.value} ({err.message})")
-                    continue
-                if err.code == ErrorCode.INVALID_REQUEST:
-                    raise OpenAIError(400, err.message, code=err.code.value) from None
-                raise OpenAIError(502, f"decode instance {inst} refused the request: "
-                                       f"{err.code.value}: {err.message}",
-                                  code=err.code.value) from None
-            except nats.errors.NoRespondersError:
-                self.queues.pop(rid, None)
-                reasons.append(f"{inst}: not listening")
-                continue
-            except asyncio.CancelledError:     # the client left while decode was accepting
-                self.queues.pop(rid, None)
-                await self._abort(inst, rid, "client")          # in case it did accept
-                raise
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                self.queues.pop(rid, None)
-                await self._abort(inst, rid, "unacknowledged")   # in case it did accept
-                reasons.append(f"{inst}: no answer within {self.submit_timeout_s:g}s")
-                continue
-            except ContractError as e:
-                self.queues.pop(rid, None)
-                await self._abort(inst, rid, "bad_ack")
-                raise OpenAIError(502, f"decode instance {inst} sent a malformed "
-                                       f"acknowledgement: {e}", code="bad_message") from None
-            except nats.errors.Error as e:   # connection closed / draining / reconnecting
-                self.queues.pop(rid, None)
-                reasons.append(f"{inst}: {type(e).__name__}: {e}")
+            ack = await self._submit(inst, rid, sub)
+            if isinstance(ack, str):
+                reasons.append(ack)
                 continue
             self.registry.sent(inst)
             self.routed_warm += cached.get(inst, 0) > 0
-            self.affinity.record(prompt_ids, inst)
+            self.affinity.record(sub.prompt_ids, inst)
             return Dispatch(rid, inst, ack.path, queue, sub)
         why = self.registry.why_none(self.clock(), tried)
         if not self.nc.is_connected:
@@ -220,6 +183,46 @@ class DecodeClient:
         if reasons:
             why += ": " + "; ".join(reasons)
         raise OpenAIError(503, why, code="no_decode_instance")
+
+    async def _submit(self, inst: str, rid: str, sub: Submission) -> SubmitAck | str:
+        """DecodeSubmit to one instance: its acknowledgement, or why to try another one
+        (its chunk queue is dropped then); raises what another instance would not change."""
+        msg = DecodeSubmit(request_id=rid, prompt_ids=sub.prompt_ids, params=sub.params,
+                           constraint=sub.constraint, tokenizer_fingerprint=self.fingerprint,
+                           reply_subject=self.reply_subject, force_path=sub.force_path)
+        try:
+            reply = await self.nc.request(subjects.decode_submit(inst), encode(msg),
+                                          timeout=self.submit_timeout_s)
+            return decode_reply(reply.data, reply.headers, ACK)
+        except ServiceError as e:
+            self.queues.pop(rid, None)
+            err = e.reply
+            if err.code in RETRY_ELSEWHERE:
+                return f"{inst}: {err.code.value} ({err.message})"
+            if err.code == ErrorCode.INVALID_REQUEST:
+                raise OpenAIError(400, err.message, code=err.code.value) from None
+            raise OpenAIError(502, f"decode instance {inst} refused the request: "
+                                   f"{err.code.value}: {err.message}",
+                              code=err.code.value) from None
+        except nats.errors.NoRespondersError:
+            self.queues.pop(rid, None)
+            return f"{inst}: not listening"
+        except asyncio.CancelledError:     # the client left while decode was accepting
+            self.queues.pop(rid, None)
+            await self._abort(inst, rid, "client")          # in case it did accept
+            raise
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            self.queues.pop(rid, None)
+            await self._abort(inst, rid, "unacknowledged")   # in case it did accept
+            return f"{inst}: no answer within {self.submit_timeout_s:g}s"
+        except ContractError as e:
+            self.queues.pop(rid, None)
+            await self._abort(inst, rid, "bad_ack")
+            raise OpenAIError(502, f"decode instance {inst} sent a malformed "
+                                   f"acknowledgement: {e}", code="bad_message") from None
+        except nats.errors.Error as e:   # connection closed / draining / reconnecting
+            self.queues.pop(rid, None)
+            return f"{inst}: {type(e).__name__}: {e}"
 
     # ---- chunks ------------------------------------------------------------------------
     async def next_chunk(self, d: Dispatch, deadline: float,

@@ -208,60 +208,14 @@ async def _complete(request, client, ans: Answer, rid, deadline) -> web.Response
 
 
 async def _stream(request, client, ans: Answer, rid, deadline) -> web.StreamResponse:
-    o, d = ans.prep.options, ans.d
+    d = ans.d
     created = int(time.time())
     resp = web.StreamResponse(headers=SSE_HEADERS | {"x-pdmesh-path": d.path.value,
                                                      "x-pdmesh-decode": d.instance})
     await resp.prepare(request)
-
-    def chunk(text: str, finish: str | None = None, lp: dict | None = None,
-              role: bool = False, ids: list[int] | None = None) -> bytes:
-        if o.chat:
-            delta = {"role": "assistant", "content": text} if role else (
-                {"content": text} if text or lp else {})
-            body = P.chat_chunk(rid, created, o.model, delta, finish, lp, o.include_usage)
-        else:
-            body = P.completion_chunk(rid, created, o.model, text, finish, lp, o.include_usage)
-        if o.return_token_ids and ids:
-            body["choices"][0]["token_ids"] = ids
-        return P.sse(body)
-
-    async def write(data: bytes) -> None:
-        ans.sent = True
-        await resp.write(data)
-
-    async def write_deltas(deltas: list[dict], lp: dict | None, ids: list[int] | None) -> None:
-        """Parser deltas, one chunk each; a TokenChunk's logprobs / token ids ride on the
-        first (or on an empty delta while the parser holds its text back)."""
-        if not deltas and (lp or ids):
-            deltas = [{}]
-        for k, delta in enumerate(deltas):
-            body = P.chat_chunk(rid, created, o.model, delta, None, lp if k == 0 else None,
-                                o.include_usage)
-            if ids and k == 0:
-                body["choices"][0]["token_ids"] = ids
-            await write(P.sse(body))
-
-    gone = _client_gone(request)
+    sse = _Sse(resp, ans, rid, created)
     try:
-        if o.chat:
-            await resp.write(chunk("", role=True))
-        while not ans.d.finished:
-            c = await next_chunk(client, ans, deadline, gone)
-            text, lp = ans.add(c)
-            if ans.parser is not None:
-                await write_deltas(ans.parser.feed(text) if text else [], lp,
-                                   c.token_ids if o.return_token_ids else None)
-            elif text or lp or (o.return_token_ids and c.token_ids):
-                await write(chunk(text, lp=lp, ids=c.token_ids))
-        finish = ans.finish_reason
-        if ans.parser is not None:
-            await write_deltas(ans.parser.finish(), None, None)
-            if ans.parser.has_tool_calls:
-                finish = "tool_calls"
-        await resp.write(chunk("", finish=finish))
-        if o.include_usage:
-            await resp.write(P.sse(P.usage_chunk(rid, created, o.model, o.chat, ans.usage)))
+        await sse.relay(client, deadline, _client_gone(request))
     except OpenAIError as e:
         # headers are gone: the error travels as an SSE event, then [DONE]
         ans.metrics.failures.inc(code=e.code or "error")
@@ -270,3 +224,67 @@ async def _stream(request, client, ans: Answer, rid, deadline) -> web.StreamResp
     await resp.write(P.SSE_DONE)
     await resp.write_eof()
     return resp
+
+
+class _Sse:
+    """One streamed answer's chunks, written to its response. Only content deltas mark
+    the answer as sent (the role chunk does not: a re-dispatch is still possible)."""
+
+    def __init__(self, resp: web.StreamResponse, ans: Answer, rid: str, created: int):
+        self.resp, self.ans, self.rid, self.created = resp, ans, rid, created
+        self.o = ans.prep.options
+
+    async def relay(self, client, deadline: float, gone: Callable[[], bool]) -> None:
+        """Role chunk, every delta as it comes, the finish chunk, the usage chunk."""
+        o, ans = self.o, self.ans
+        if o.chat:
+            await self.resp.write(self.chunk("", role=True))
+        while not ans.d.finished:
+            c = await next_chunk(client, ans, deadline, gone)
+            text, lp = ans.add(c)
+            if ans.parser is not None:
+                await self.write_deltas(ans.parser.feed(text) if text else [], lp,
+                                        c.token_ids if o.return_token_ids else None)
+            elif text or lp or (o.return_token_ids and c.token_ids):
+                await self.write(self.chunk(text, lp=lp, ids=c.token_ids))
+        finish = ans.finish_reason
+        if ans.parser is not None:
+            await self.write_deltas(ans.parser.finish(), None, None)
+            if ans.parser.has_tool_calls:
+                finish = "tool_calls"
+        await self.resp.write(self.chunk("", finish=finish))
+        if o.include_usage:
+            await self.resp.write(P.sse(P.usage_chunk(self.rid, self.created, o.model, o.chat,
+                                                      ans.usage)))
+
+    def chunk(self, text: str, finish: str | None = None, lp: dict | None = None,
+              role: bool = False, ids: list[int] | None = None) -> bytes:
+        o = self.o
+        if o.chat:
+            delta = {"role": "assistant", "content": text} if role else (
+                {"content": text} if text or lp else {})
+            body = P.chat_chunk(self.rid, self.created, o.model, delta, finish, lp,
+                                o.include_usage)
+        else:
+            body = P.completion_chunk(self.rid, self.created, o.model, text, finish, lp,
+                                      o.include_usage)
+        if o.return_token_ids and ids:
+            body["choices"][0]["token_ids"] = ids
+        return P.sse(body)
+
+    async def write(self, data: bytes) -> None:
+        self.ans.sent = True
+        await self.resp.write(data)
+
+    async def write_deltas(self, deltas: list[dict], lp: dict | None,
+                           ids: list[int] | None) -> None:
+        """Parser deltas, one chunk each; a TokenChunk's logprobs / token ids ride on the
+        first (or on an empty delta while the parser holds its text back)."""
+        if not deltas and (lp or ids):
+            deltas = [{}]
+        for k, delta in enumerate(deltas):
+            body = P.chat_chunk(self.rid, self.created, self.o.model, delta, None,
+                                lp if k == 0 else None, self.o.include_usage)
+            if ids and k == 0:
+                body["choices"][0]["token_ids"] = ids
+            await self.write(P.sse(body))
