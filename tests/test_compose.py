@@ -5,7 +5,6 @@ Needs Debian's `docker-compose` (apt-get install docker-compose; `make test` ins
 """
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import os
 import re
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdmesh.cluster import CONFIG_CLASSES, nats_server_binary
+from pdmesh.cluster import CONFIG_CLASSES, config_class, nats_server_binary
 from shared.settings import env_name, field_names, flat_values, load
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,13 +31,6 @@ def compose() -> dict:
     return yaml.safe_load(r.stdout)
 
 
-def _config_class(service: str):
-    module, name = CONFIG_CLASSES[service]
-    if importlib.util.find_spec(module) is None:
-        pytest.skip(f"{module} is not written yet")
-    return getattr(importlib.import_module(module), name)
-
-
 def test_compose_runs_nats_and_every_service(compose):
     assert set(compose["services"]) == {"nats", *SERVICES}
 
@@ -47,14 +39,14 @@ def test_compose_runs_nats_and_every_service(compose):
 def test_service_command_is_its_module(compose, service):
     svc = compose["services"][service]
     assert svc["command"] == ["python", "-m", f"services.{service}"]
-    _config_class(service)
+    config_class(service)
     assert importlib.util.find_spec(f"services.{service}.__main__") is not None, \
         f"services/{service}/__main__.py is missing"
 
 
 @pytest.mark.parametrize("service", SERVICES)
 def test_service_env_names_config_fields(compose, service, monkeypatch):
-    cls = _config_class(service)
+    cls = config_class(service)
     env = compose["services"][service].get("environment") or {}
     fields = {env_name(name): name for name in field_names(cls)}
     unknown = sorted(set(env) - set(fields))
