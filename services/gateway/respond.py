@@ -25,7 +25,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from shared.contracts.common import ErrorCode
-from shared.contracts.messages import TokenChunk
+from shared.contracts.messages import FinishReason, TokenChunk
 from shared.toolcalls import ToolCallStreamParser, parse_tool_calls
 
 from . import protocol as P
@@ -77,7 +77,8 @@ class Answer:
             self.d.finished = True
         if chunk.error is not None:
             raise chunk_error(chunk.error, self.d.instance)
-        if chunk.finished and chunk.finish_reason not in ("stop", "length"):
+        if chunk.finished and chunk.finish_reason not in (FinishReason.STOP,
+                                                          FinishReason.LENGTH):
             raise OpenAIError(503, f"decode instance {self.d.instance} ended the request with "
                                    f"finish_reason={chunk.finish_reason!r}", code="aborted")
         self._time(len(chunk.token_ids))
@@ -194,8 +195,8 @@ async def _complete(request, client, ans: Answer, rid, deadline) -> web.Response
     text = "".join(ans.parts)
     if o.chat and o.tool_calls:
         content, calls = parse_tool_calls(text, rid)
-        body = P.chat_completion(rid, created, o.model, content,
-                                 "tool_calls" if calls else ans.finish_reason, ans.usage,
+        finish = FinishReason.TOOL_CALLS.value if calls else ans.finish_reason
+        body = P.chat_completion(rid, created, o.model, content, finish, ans.usage,
                                  ans.all_logprobs(), tool_calls=calls)
     else:
         build = P.chat_completion if o.chat else P.completion
@@ -251,7 +252,7 @@ class _Sse:
         if ans.parser is not None:
             await self.write_deltas(ans.parser.finish(), None, None)
             if ans.parser.has_tool_calls:
-                finish = "tool_calls"
+                finish = FinishReason.TOOL_CALLS.value
         await self.resp.write(self.chunk("", finish=finish))
         if o.include_usage:
             await self.resp.write(P.sse(P.usage_chunk(self.rid, self.created, o.model, o.chat,

@@ -18,6 +18,15 @@ class Path(str, enum.Enum):
     COLOCATED = "colocated"
 
 
+class FinishReason(str, enum.Enum):
+    """Why a request ended. On the wire TokenChunk.finish_reason stays a plain string;
+    TOOL_CALLS is the gateway's, for an answer that called tools."""
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    TOOL_CALLS = "tool_calls"
+
+
 class DecodeSubmit(msgspec.Struct, frozen=True, kw_only=True):
     """gateway -> decode: serve this request, stream TokenChunks to reply_subject."""
     v: int = VERSION
