@@ -29,31 +29,34 @@ import msgspec
 import nats.errors
 
 from shared import subjects
-from shared.contracts.common import Codec, ContractError, ErrorCode, ErrorReply, encode
+from shared.contracts.common import Codec, ContractError, ErrorCode, ErrorReply
 from shared.contracts.messages import Heartbeat, PrefillDone, PrefillJob, PrefillStatus
-from shared.contracts.reclaim import ClaimReply, PrefillClaim
+from shared.contracts.reclaim import PrefillClaim
 from shared.engine.engine import LLMEngine
 from shared.engine.output import RequestOutput
 from shared.engine_loop import run_engine_loop
 from shared.faults import require_allowed
 from shared.jobqueue import pull_subscription
 from shared.kv.nats_transport import NatsKvTransport
-from shared.service import ServiceRuntime, decode_reply, new_instance_id
+from shared.service import ServiceRuntime, new_instance_id
 
 from . import inject
 from .config import PrefillConfig
 from .ledger import WriteLedger
+from .peers import NatsPrefillPeers, PrefillPeers
 from .reclaims import ReclaimResponder
 from .sender import KvSender, Reclaimed
 from .writeback import WriteBack
 
 log = logging.getLogger("pdmesh.prefill")
 JOB = Codec(PrefillJob)
-CLAIM_REPLY = Codec(ClaimReply)
 
 
 class PrefillService:
-    def __init__(self, cfg: PrefillConfig, engine: LLMEngine | None = None):
+    def __init__(self, cfg: PrefillConfig, engine: LLMEngine | None = None,
+                 peers: PrefillPeers | None = None, kv_transport=None, kvc=None):
+        """peers, kv_transport (and kvc): given for an in-process prefill (tests); else
+        start() builds them over NATS."""
         self.cfg = cfg
         self.iid = cfg.instance_id or new_instance_id("prefill")
         require_allowed(cfg.faults)
@@ -71,21 +74,28 @@ class PrefillService:
                          "kv_transfer_s": 0.0, "kv_max_write_bytes": 0, "bad_jobs": 0,
                          "jobs_refused": 0, "jobs_reclaimed": 0, "jobs_redelivered": 0}
         self.ledger = WriteLedger()
-        self.kvc = self.reclaims = None
+        self.peers, self.kvc, self.reclaims = peers, None, None
+        if kv_transport is not None:
+            self.connect(peers, kv_transport, kvc)
+
+    def connect(self, peers: PrefillPeers, kv_transport, kvc) -> None:
+        """The parts that talk to other services (TEST ONLY faults wrap some of them)."""
+        f = self.cfg.faults
+        self.peers, self.kvc = peers, kvc
+        use = self.cfg.kvstore and kvc is not None
+        self.write_back = WriteBack(self.cfg.write_policy if use else "none", kvc)
+        self.sender = inject.sender(KvSender(inject.transport(kv_transport, f), self.iid,
+                                             self.cfg.kv_window, self.ledger,
+                                             self.cfg.kv_max_write_bytes), f)
+        self.reclaims = ReclaimResponder(self.iid, self.ledger, self.sender, self.rt.spawn)
 
     async def start(self) -> None:
         await self.rt.start()
-        self.js = self.rt.nc.jetstream()
-        self.psub = await pull_subscription(self.js, self.cfg.ack_wait_s, self.cfg.max_deliver,
-                                            self.cfg.max_jobs)
-        f = self.cfg.faults
-        self.kvc = inject.kvstore_client(self.rt.nc, self.cfg.kvstore_timeout_s, f)
-        self.write_back = WriteBack(self.cfg.write_policy if self.cfg.kvstore else "none",
-                                    self.kvc)
-        transport = inject.transport(NatsKvTransport(self.rt, self.cfg.kv_ack_timeout_s), f)
-        self.sender = inject.sender(KvSender(transport, self.iid, self.cfg.kv_window,
-                                             self.ledger, self.cfg.kv_max_write_bytes), f)
-        self.reclaims = ReclaimResponder(self.iid, self.ledger, self.sender, self.rt.spawn)
+        nc = self.rt.nc
+        self.psub = await pull_subscription(nc.jetstream(), self.cfg.ack_wait_s,
+                                            self.cfg.max_deliver, self.cfg.max_jobs)
+        self.connect(NatsPrefillPeers(nc), NatsKvTransport(self.rt, self.cfg.kv_ack_timeout_s),
+                     inject.kvstore_client(nc, self.cfg.kvstore_timeout_s, self.cfg.faults))
         await self.rt.endpoint("reclaim", subjects.prefill_reclaim(self.iid),
                                self.reclaims.on_reclaim, None, raw=True)
         self.rt.spawn(self.fetch_loop())
@@ -226,9 +236,7 @@ class PrefillService:
         c = PrefillClaim(request_id=job.request_id, attempt=attempt, prefill_instance=self.iid,
                          block_ids=job.dest.block_ids, epochs=job.dest.epochs)
         try:
-            msg = await self.rt.nc.request(subjects.decode_claim(job.dest.instance_id), encode(c),
-                                           timeout=self.cfg.claim_timeout_s)
-            reply = decode_reply(msg.data, msg.headers, CLAIM_REPLY)
+            reply = await self.peers.claim(job.dest.instance_id, c, self.cfg.claim_timeout_s)
         except Exception as e:  # noqa: BLE001 - decode gone or silent: it cannot use this KV
             log.info("%s: claim unanswered (%r); dropping the job", job.request_id, e)
             return False
@@ -252,7 +260,7 @@ class PrefillService:
     async def compute(self, local_id: str, job: PrefillJob) -> tuple[RequestOutput, int]:
         """The first token, and how many leading prompt blocks kvstore already holds."""
         tier = 0
-        if self.cfg.kvstore:
+        if self.cfg.kvstore and self.kvc is not None:
             tier = await self.kvc.lookup(self.engine.prefix_keys(job.prompt_ids))
         fut = asyncio.get_running_loop().create_future()
         self.pending[local_id] = fut
@@ -267,8 +275,7 @@ class PrefillService:
         ok = done.status is PrefillStatus.OK
         self.counters["jobs_done" if ok else "jobs_failed"] += 1
         try:
-            await self.rt.nc.request(subjects.decode_prefill_done(job.dest.instance_id),
-                                     encode(done), timeout=5)
+            await self.peers.prefill_done(job.dest.instance_id, done, 5.0)
         except Exception as e:  # noqa: BLE001 - decode gone: it will never want this KV
             log.warning("%s: PrefillDone not delivered: %r", job.request_id, e)
         await msg.ack()

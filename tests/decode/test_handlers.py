@@ -1,0 +1,154 @@
+"""Decode's and prefill's handlers in one process (tests/decode/local_mesh.py): the PD
+lifecycle's hard cases, each made to happen in a named order, with the real engine on the
+tiny model, the real write ledger, sender and request table, and KV over the in-memory
+transport. Outputs are checked against the engine alone (deterministic mode)."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from services.decode.request import RequestStatus
+from shared.contracts.sampling import SamplingParams
+
+from .local_mesh import DET, LocalMesh
+
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_target):
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import LLMEngine
+
+    eng = LLMEngine(EngineConfig(model=str(tiny_target), num_blocks=64, **DET))
+
+    def want(prompt: list[int]) -> list[int]:
+        sp = SamplingParams(temperature=0.0, seed=1, max_tokens=MAX_TOKENS, ignore_eos=True)
+        return eng.generate([prompt], sp)[0]["token_ids"]
+    return want
+
+
+def prompt(tiny_prompts, i: int, n: int = 40) -> list[int]:
+    """A prompt of exactly n tokens (three 16-token blocks with max_tokens 8)."""
+    p = list(tiny_prompts[i])
+    while len(p) < n:
+        p += tiny_prompts[(i + len(p)) % len(tiny_prompts)]
+    return p[:n]
+
+
+async def until(pred, steps: int = 2000) -> None:
+    """Let the loop run until pred() holds (no wall-clock sleeps: yields only)."""
+    for _ in range(steps):
+        if pred():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("condition never held")
+
+
+def stats(mesh: LocalMesh) -> dict:
+    return mesh.decode.stats()
+
+
+async def test_pd_in_process_equals_the_engine_alone(tiny_target, tiny_prompts, reference):
+    mesh = LocalMesh(tiny_target)
+    await mesh.start()
+    try:
+        p = prompt(tiny_prompts, 0)
+        ack = await mesh.submit("a", p, max_tokens=MAX_TOKENS, ignore_eos=True)
+        assert ack.path.value == "pd" and mesh.decode.table.state("a") is RequestStatus.AWAITING_KV
+        task, msg = mesh.run_job()
+        await task
+        assert msg.acked and await mesh.tokens("a") == reference(p)
+        assert stats(mesh)["blocks_used"] == 0 and mesh.prefill.ledger.stats()["attempts_open"] == 0
+    finally:
+        await mesh.close()
+
+
+async def test_abort_while_awaiting_kv_then_the_claim_is_refused(tiny_target, tiny_prompts):
+    """Aborted before any prefill claimed it: the blocks are free at once, and the job,
+    pulled afterwards, is refused before it computes or writes anything."""
+    mesh = LocalMesh(tiny_target)
+    await mesh.start()
+    try:
+        await mesh.submit("a", prompt(tiny_prompts, 1), max_tokens=MAX_TOKENS)
+        await mesh.abort("a")
+        st = stats(mesh)
+        assert st["reclaims_by_outcome"] == {"unclaimed": 1} and st["blocks_used"] == 0
+        task, msg = mesh.run_job()
+        await task
+        pre = mesh.prefill.stats()
+        assert msg.acked and pre["jobs_refused"] == 1 and pre["kv_writes"] == 0
+        assert stats(mesh)["claims_refused"] == 1 and mesh.prefill.engine.stats()["prompt_tokens"] == 0
+    finally:
+        await mesh.close()
+
+
+async def test_abort_mid_transfer_waits_for_the_write_in_flight(tiny_target, tiny_prompts):
+    """Aborted while a claimed attempt has a write on the wire: the blocks stay
+    quarantined, the ReclaimAck waits for that write, and only then are they freed."""
+    mesh = LocalMesh(tiny_target, prefill={"kv_window": 1, "kv_max_write_bytes": 16 << 10},
+                     gated=True)
+    await mesh.start()
+    try:
+        await mesh.submit("a", prompt(tiny_prompts, 2), max_tokens=MAX_TOKENS)
+        task, _ = mesh.run_job()
+        await mesh.gate.waiting.wait()                      # write 0 issued, not delivered
+        await mesh.abort("a")
+        assert mesh.decode.table.state("a") is RequestStatus.ABORTING
+        held = stats(mesh)["blocks_quarantined"]
+        assert held > 0
+        await until(lambda: mesh.prefill.ledger.cancelled == 1)   # the Reclaim arrived
+        await asyncio.sleep(0.05)
+        assert mesh.prefill.stats()["reclaims_answered"] == 0    # a write is still in flight
+        assert stats(mesh)["blocks_quarantined"] == held
+        mesh.gate.open()
+        await task
+        await until(lambda: stats(mesh)["reclaims"] == 1)
+        st = stats(mesh)
+        assert st["reclaims_by_outcome"] == {"acked": 1} and st["blocks_quarantined"] == 0
+        assert st["blocks_used"] == 0 and mesh.decode.table.get("a") is None
+        assert mesh.prefill.stats()["kv_writes"] == 0 and mesh.prefill.ledger.cancelled == 1
+    finally:
+        await mesh.close()
+
+
+@pytest.mark.parametrize("fence", [True, False], ids=["fence", "no_fence"])
+async def test_late_write_after_the_lease_never_reaches_the_next_request(
+        tiny_target, tiny_prompts, reference, fence):
+    """The owner of an aborted request's blocks goes silent with a write on the wire; the
+    lease frees the blocks and the next request gets them; then the late write arrives.
+    The epoch fence drops it and the next request's output is right. With the fence off
+    (TEST ONLY) the same write lands in the next request's KV and its output is wrong:
+    the guard is what makes the difference."""
+    flat = {"num_blocks": 3, "fault_no_epoch_fence": not fence}
+    mesh = LocalMesh(tiny_target, decode=flat, gated=True)
+    await mesh.start(decode_loop=False)
+    try:
+        a, b = prompt(tiny_prompts, 3), prompt(tiny_prompts, 7)
+        await mesh.submit("a", a, max_tokens=MAX_TOKENS, ignore_eos=True)
+        task_a, _ = mesh.run_job()
+        await mesh.gate.waiting.wait()                      # a's write 0 on the wire
+        mesh.prefill_dead = True                            # its prefill stops answering
+        await mesh.abort("a")
+        assert stats(mesh)["blocks_quarantined"] == 3
+        mesh.decode.reclaimer.sweep(time.monotonic() + mesh.decode.table.lease_s)  # lease ends
+        assert stats(mesh)["reclaims_by_outcome"] == {"lease": 1}
+        await mesh.submit("b", b, max_tokens=MAX_TOKENS, ignore_eos=True)
+        mesh.prefill.sender.transport = mesh.kv            # b's KV goes straight through
+        task_b, _ = mesh.run_job()
+        await task_b
+        assert mesh.decode.table.state("b") is RequestStatus.RUNNING
+        mesh.gate.open()                                    # a's late write arrives now
+        await task_a
+        st = stats(mesh)
+        assert st["kv_writes_fenced" if fence else "kv_writes_applied"] >= 1
+        mesh.start_decoding()
+        got = await mesh.tokens("b")
+        if fence:
+            assert got == reference(b)
+        else:
+            assert got != reference(b)
+    finally:
+        await mesh.close()
