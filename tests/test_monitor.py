@@ -4,11 +4,10 @@ from __future__ import annotations
 import pytest
 
 from services.decode.monitor import (
-    HIGH_ACCEPT_RATE,
-    LOW_ACCEPT_LENGTH,
     AnomalyMonitor,
     MonitorConfig,
     RequestSpecStats,
+    Rule,
 )
 
 
@@ -38,8 +37,8 @@ def test_low_accept_length_fires_once_after_the_token_gate():
         r = mon.observe("a", 4, 0, 1, 1 + i)
         if r:
             fired.append((r, 1 + i))
-    assert fired == [(LOW_ACCEPT_LENGTH, 129)]
-    assert mon.counts == {LOW_ACCEPT_LENGTH: 1, HIGH_ACCEPT_RATE: 0}
+    assert fired == [(Rule.LOW_ACCEPT_LENGTH, 129)]
+    assert mon.counts == {Rule.LOW_ACCEPT_LENGTH: 1, Rule.HIGH_ACCEPT_RATE: 0}
 
 
 def test_healthy_request_stays_quiet():
@@ -52,9 +51,9 @@ def test_healthy_request_stays_quiet():
 def test_high_accept_rate_needs_enough_proposed_drafts():
     mon = AnomalyMonitor()
     assert run(mon, "short", 31, 4, 4) == []          # 124 proposed, all accepted: clean
-    assert mon.observe("short", 4, 4, 5, 200) == HIGH_ACCEPT_RATE   # 128th proposed
-    assert run(mon, "long", 100, 4, 4) == [HIGH_ACCEPT_RATE]
-    assert mon.counts[HIGH_ACCEPT_RATE] == 2
+    assert mon.observe("short", 4, 4, 5, 200) == Rule.HIGH_ACCEPT_RATE   # 128th proposed
+    assert run(mon, "long", 100, 4, 4) == [Rule.HIGH_ACCEPT_RATE]
+    assert mon.counts[Rule.HIGH_ACCEPT_RATE] == 2
 
 
 def test_rate_at_the_threshold_does_not_fire():
@@ -68,7 +67,7 @@ def test_steps_without_drafts_are_not_verification_steps():
         assert mon.observe("a", 0, 0, 1, i + 1) is None
     assert mon.stats("a").steps == 0
     # the first real step sees the generated count so far
-    assert mon.observe("a", 4, 0, 1, 301) == LOW_ACCEPT_LENGTH
+    assert mon.observe("a", 4, 0, 1, 301) == Rule.LOW_ACCEPT_LENGTH
 
 
 def test_forget_and_disabled():
@@ -104,7 +103,7 @@ def test_cumulative_totals_answer_like_steps():
         assert totals.observe_totals("r", n, proposed, accepted, gen) == want
         assert totals.observe_totals("r", n, proposed, accepted, gen) is None   # no new step
         if want is not None:
-            assert (want, gen) == (LOW_ACCEPT_LENGTH, 129)
+            assert (want, gen) == (Rule.LOW_ACCEPT_LENGTH, 129)
     assert totals.stats("r").accept_length == steps.stats("r").accept_length == 1.25
     assert totals.counts == steps.counts
     assert AnomalyMonitor().observe_totals("q", 0, 0, 0, 400) is None   # never speculated

@@ -18,11 +18,16 @@ A step that proposed nothing is not a verification step: it updates generated_to
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
-LOW_ACCEPT_LENGTH = "low_accept_length"
-HIGH_ACCEPT_RATE = "high_accept_rate"
-RULES = (LOW_ACCEPT_LENGTH, HIGH_ACCEPT_RATE)
+
+class Rule(enum.StrEnum):
+    LOW_ACCEPT_LENGTH = "low_accept_length"
+    HIGH_ACCEPT_RATE = "high_accept_rate"
+
+
+RULES = tuple(Rule)
 
 
 @dataclass(slots=True)
@@ -66,7 +71,7 @@ class AnomalyMonitor:
     """observe() per verification step, or observe_totals() with cumulative counters;
     forget() when the request ends."""
     config: MonitorConfig = field(default_factory=MonitorConfig)
-    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RULES, 0))
+    counts: dict[Rule, int] = field(default_factory=lambda: dict.fromkeys(RULES, 0))
     _stats: dict[str, RequestSpecStats] = field(default_factory=dict, repr=False)
 
     def observe(self, request_id: str, proposed: int, accepted: int, emitted: int,
@@ -123,7 +128,7 @@ class AnomalyMonitor:
     def _rule(self, st: RequestSpecStats) -> str | None:
         c = self.config
         if st.generated > c.min_tokens_low and st.accept_length < c.accept_length_low:
-            return LOW_ACCEPT_LENGTH
+            return Rule.LOW_ACCEPT_LENGTH
         if st.proposed >= c.min_proposed_high and st.accept_rate > c.accept_rate_high:
-            return HIGH_ACCEPT_RATE
+            return Rule.HIGH_ACCEPT_RATE
         return None

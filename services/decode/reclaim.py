@@ -18,7 +18,7 @@ from shared.contracts.reclaim import Reclaim
 
 from .lifecycle import Plan, RequestTable
 from .peers import DecodePeers
-from .request import DecodeRequest, Outcome
+from .request import AbortReason, DecodeRequest, Outcome
 from .slots import KvSlots
 
 log = logging.getLogger("pdmesh.decode")
@@ -104,4 +104,4 @@ class Reclaimer:
                 if r.wants_kv and now - r.submitted > prefill_timeout_s:
                     log.warning("%s: no KV after %.0fs; prefilling locally", r.request_id,
                                 now - r.submitted)
-                    self.fallback(r.request_id, "prefill_timeout")
+                    self.fallback(r.request_id, AbortReason.PREFILL_TIMEOUT)

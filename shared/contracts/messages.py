@@ -125,7 +125,7 @@ class AnomalyEvent(msgspec.Struct, frozen=True, kw_only=True):
     v: int = VERSION
     request_id: str
     instance_id: str
-    rule: str                         # services.decode.monitor.RULES
+    rule: str                         # services.decode.monitor.Rule
     accept_length: float
     accept_rate: float
     generated_tokens: int
