@@ -13,12 +13,12 @@ import asyncio
 import logging
 import time
 
-from shared.contracts.messages import Path
+from shared.contracts.messages import AbortReason, Path
 from shared.contracts.reclaim import Reclaim
 
 from .lifecycle import Plan, RequestTable
 from .peers import DecodePeers
-from .request import AbortReason, DecodeRequest, Outcome
+from .request import DecodeRequest, Outcome
 from .slots import KvSlots
 
 log = logging.getLogger("pdmesh.decode")

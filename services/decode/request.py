@@ -43,18 +43,6 @@ class Outcome(str, enum.Enum):
     UNPROTECTED = "unprotected"    # TEST ONLY: reclaim-ack off, freed at once
 
 
-class AbortReason(str, enum.Enum):
-    CLIENT = "client"
-    SHUTDOWN = "shutdown"
-    ANOMALY = "anomaly"
-    REPLAY_ERROR = "replay_error"
-    START_ERROR = "start_error"
-    ENGINE_ERROR = "engine_error"
-    PREFILL_FAILED = "prefill_failed"
-    PREFILL_TIMEOUT = "prefill_timeout"
-    DISPATCH_FAILED = "dispatch_failed"
-
-
 @dataclass(slots=True, eq=False)
 class KvGrant:
     """A reservation for remote KV: the blocks prefill writes (with their epochs), every

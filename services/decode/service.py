@@ -24,6 +24,7 @@ from shared.contracts.common import Codec, ContractError, ErrorCode, Ok, encode
 from shared.contracts.kv import KvWrite, KvWriteAck
 from shared.contracts.messages import (
     Abort,
+    AbortReason,
     DecodeSubmit,
     Heartbeat,
     KvDestination,
@@ -50,7 +51,6 @@ from .lifecycle import Next, RequestTable
 from .monitor import RULES, AnomalyMonitor
 from .peers import DecodePeers, NatsDecodePeers
 from .reclaim import Reclaimer
-from .request import AbortReason
 from .slots import KvSlots, Slots
 from .stream import TokenStream
 
@@ -279,7 +279,7 @@ class DecodeService:
         await self.stream.publish(out)
 
     async def on_abort(self, ab: Abort) -> None:
-        self.reclaimer.abort(ab.request_id, ab.reason or "client")
+        self.reclaimer.abort(ab.request_id, ab.reason or AbortReason.CLIENT)
         return None
 
     async def on_prefill_heartbeat(self, msg) -> None:

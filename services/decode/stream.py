@@ -9,14 +9,14 @@ import logging
 import time
 
 from shared.contracts.common import ErrorCode, ErrorReply
-from shared.contracts.messages import AnomalyEvent, Path, TokenChunk
+from shared.contracts.messages import AbortReason, AnomalyEvent, FinishReason, Path, TokenChunk
 from shared.engine.output import RequestOutput
 
 from .lifecycle import RequestTable
 from .monitor import AnomalyMonitor
 from .peers import DecodePeers
 from .reclaim import Reclaimer
-from .request import AbortReason, DecodeRequest
+from .request import DecodeRequest
 
 log = logging.getLogger("pdmesh.decode")
 
@@ -66,8 +66,8 @@ class TokenStream:
         if r is not None:
             err = ErrorReply(code=code, message=message, request_id=rid)
             await self._send(r.reply_subject, TokenChunk(
-                request_id=rid, finished=True, finish_reason="abort", error=err, path=r.path,
-                seq=r.chunks, anomaly_rule=rule))
+                request_id=rid, finished=True, finish_reason=FinishReason.ABORT, error=err,
+                path=r.path, seq=r.chunks, anomaly_rule=rule))
 
     async def fail_running(self, code: ErrorCode, message: str, reason) -> None:
         for r in list(self.table.live()):

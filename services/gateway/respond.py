@@ -25,7 +25,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from shared.contracts.common import ErrorCode
-from shared.contracts.messages import FinishReason, TokenChunk
+from shared.contracts.messages import AbortReason, FinishReason, TokenChunk
 from shared.toolcalls import ToolCallStreamParser, parse_tool_calls
 
 from . import protocol as P
@@ -161,7 +161,7 @@ async def answer(request: web.Request, client: DecodeClient, d: Dispatch, prep: 
                  token_text: Callable[[int], str]) -> web.StreamResponse:
     deadline = arrival + client.request_timeout_s
     ans = Answer(prep, d, arrival, metrics, token_text, rid)
-    reason = "client"
+    reason = AbortReason.CLIENT.value
     try:
         if prep.options.stream:
             return await _stream(request, client, ans, rid, deadline)

@@ -25,6 +25,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"
     ABORT = "abort"
     TOOL_CALLS = "tool_calls"
+    PREFILL_DONE = "prefill_done"    # engine-internal: a prefill-only request's first token
 
 
 class DecodeSubmit(msgspec.Struct, frozen=True, kw_only=True):
@@ -132,10 +133,24 @@ class AnomalyEvent(msgspec.Struct, frozen=True, kw_only=True):
     ts: float = 0.0
 
 
+class AbortReason(str, enum.Enum):
+    """Why a request was aborted (Abort.reason; the gateway also sends its error codes)."""
+    CLIENT = "client"
+    TIMEOUT = "timeout"
+    SHUTDOWN = "shutdown"
+    ANOMALY = "anomaly"
+    REPLAY_ERROR = "replay_error"
+    START_ERROR = "start_error"
+    ENGINE_ERROR = "engine_error"
+    PREFILL_FAILED = "prefill_failed"
+    PREFILL_TIMEOUT = "prefill_timeout"
+    DISPATCH_FAILED = "dispatch_failed"
+
+
 class Abort(msgspec.Struct, frozen=True, kw_only=True):
     v: int = VERSION
     request_id: str
-    reason: str = "client"
+    reason: str = AbortReason.CLIENT.value
 
 
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.contracts.messages import FinishReason
+
 from .batch import build_batch
 from .block_pool import BlockPool
 from .config import EngineConfig
@@ -206,7 +208,7 @@ class LLMEngine:
 
     def _finish_abort(self, seq: Sequence) -> None:
         self.requests.pop(seq.request_id, None)
-        self.scheduler.finish(seq, "abort")
+        self.scheduler.finish(seq, FinishReason.ABORT)
 
     # ---- held sequences (KV filled from outside) ----------------------------------
     def hold(self, request_id: str, prompt_ids: list[int], params, constraint=None,
@@ -347,9 +349,9 @@ class LLMEngine:
         text, reason, stop_reason = proc.process(token, len(seq.output_ids))
         state = self.requests[seq.request_id].constraint
         if reason is None and state is not None and state.is_terminated:
-            reason = "stop"               # the grammar is complete and took its end token
+            reason = FinishReason.STOP     # the grammar is complete and took its end token
         if reason is None and seq.stop_after_prefill:
-            reason = "prefill_done"
+            reason = FinishReason.PREFILL_DONE
         out = RequestOutput(seq.request_id, [token], text, reason is not None, reason, stop_reason,
                             num_prompt_tokens=len(seq.prompt_ids),
                             num_output_tokens=len(seq.output_ids),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.contracts.messages import FinishReason
 from shared.contracts.sampling import SamplingParams
 
 
@@ -18,7 +19,7 @@ class RequestOutput:
     new_token_ids: list[int]                # one or more (a speculative step emits several)
     text: str = ""                          # new text since the last output
     finished: bool = False
-    finish_reason: str | None = None        # "stop" | "length" | "abort"
+    finish_reason: str | None = None        # a FinishReason
     stop_reason: str | int | None = None    # the stop string or token id that matched
     logprobs: list = field(default_factory=list)   # [(token, logprob, top)] per new token
     num_prompt_tokens: int = 0
@@ -56,7 +57,7 @@ class OutputProcessor:
         """Feed one sampled token; returns (text to release, finish_reason, stop_reason)."""
         p = self.params
         if token in self.eos_ids or token in p.stop_token_ids:  # (banned below min_tokens)
-            return self._flush(), "stop", (None if token in self.eos_ids else token)
+            return self._flush(), FinishReason.STOP, (None if token in self.eos_ids else token)
         if self.detok is not None:
             self.text += self.detok.step(token)
         if p.stop and num_output >= p.min_tokens:
@@ -65,9 +66,9 @@ class OutputProcessor:
                 if i != -1:
                     end = i + len(s) if p.include_stop_str_in_output else i
                     self.text = self.text[:end]
-                    return self._flush(), "stop", s
+                    return self._flush(), FinishReason.STOP, s
         if num_output >= p.max_tokens or self.prompt_len + num_output >= self.max_len:
-            return self._flush(), "length", None
+            return self._flush(), FinishReason.LENGTH, None
         upto = len(self.text) - self.hold if p.stop else len(self.text)
         out, self.sent = self.text[self.sent:upto], max(self.sent, upto)
         return out, None, None
