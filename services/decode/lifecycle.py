@@ -56,6 +56,8 @@ class RequestTable:
         self.reclaims: Counter = Counter()        # Outcome value -> reclaims
         self.claims: Counter = Counter()          # granted / refused
         self.stray_writes = 0                     # writes for no known reservation
+        self.quarantined_writes = 0               # writes that landed on a quarantine: the
+        #                                           hazard the reclaim-ack waits out
         # quarantine -> free, seconds (immediate frees are counted in reclaims only)
         self.latencies: deque[float] = deque(maxlen=keep_latencies)
 
@@ -129,6 +131,8 @@ class RequestTable:
         if g is None:
             self.stray_writes += 1
             return
+        if self.records[rid].quarantine is not None and g is self.records[rid].quarantine.grant:
+            self.quarantined_writes += 1
         g.received[attempt] += 1
 
     def writes_received(self, rid: str, attempt: str) -> int:
@@ -264,6 +268,7 @@ class RequestTable:
                 "awaiting_kv": sum(1 for r in self.records.values() if r.wants_kv),
                 "claims_granted": self.claims["granted"], "claims_refused": self.claims["refused"],
                 "kv_writes_stray": self.stray_writes,
+                "kv_writes_quarantined": self.quarantined_writes,
                 "reclaim_latency_ms": {"n": len(lat), "p50": pct(0.5), "p90": pct(0.9),
                                        "p99": pct(0.99), "max": pct(1.0)},
                 "reclaim_latency_buckets": _buckets(lat)}

@@ -108,6 +108,7 @@ async def test_abort_mid_transfer_waits_for_the_write_in_flight(tiny_target, tin
         await until(lambda: stats(mesh)["reclaims"] == 1)
         st = stats(mesh)
         assert st["reclaims_by_outcome"] == {"acked": 1} and st["blocks_quarantined"] == 0
+        assert st["kv_writes_quarantined"] == 1             # the hazard: a write after the abort
         assert st["blocks_used"] == 0 and mesh.decode.table.get("a") is None
         assert mesh.prefill.stats()["kv_writes"] == 0 and mesh.prefill.ledger.cancelled == 1
     finally:
