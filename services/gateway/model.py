@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .config import GatewayConfig
+from .defaults import load_generation_defaults
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +20,10 @@ class ModelSpec:
     vocab_size: int            # ids the model can embed
     tokenizer: Any             # shared.engine.tokenizer.Tokenizer (or a test double)
     created: int               # unix time, for /v1/models
+    # generation_config.json sampling defaults for omitted fields (defaults.py), and the cap
+    # on generated tokens when a chat-like request sets none (None: the context window)
+    sampling_defaults: dict = field(default_factory=dict)
+    default_max_tokens: int | None = None
 
     def accepts(self, model: str | None) -> bool:
         return model is None or model == self.name or model in self.aliases
@@ -39,9 +44,11 @@ class ModelSpec:
         if not window:
             raise ValueError(f"{folder}/config.json has no max_position_embeddings")
         vocab = config.get("vocab_size") or text_config.get("vocab_size") or tokenizer.vocab_size
+        defaults, cap = load_generation_defaults(folder) if cfg.generation_config else ({}, None)
         return cls(name=cfg.served_model_name, aliases=frozenset({cfg.model, str(folder)}),
                    max_model_len=int(window), vocab_size=int(vocab), tokenizer=tokenizer,
-                   created=int(time.time()))
+                   created=int(time.time()), sampling_defaults=defaults,
+                   default_max_tokens=cap or cfg.default_max_tokens or None)
 
 
 def _read_json(path: Path) -> dict:

@@ -56,7 +56,12 @@ class Prepared:
 
 
 def parse_chat(body: bytes, spec: ModelSpec) -> Prepared:
-    req = _decode(body, ChatCompletionRequest)
+    return prepare_chat(_decode(body, ChatCompletionRequest), spec)
+
+
+def prepare_chat(req: ChatCompletionRequest, spec: ModelSpec) -> Prepared:
+    """A decoded chat request -> Prepared (the Responses and Messages APIs translate their
+    bodies into one, apis/)."""
     _check_model(req.model, spec)
     _check_common(req)
     tools, constraint = tools_and_format(req)
@@ -79,7 +84,8 @@ def parse_chat(body: bytes, spec: ModelSpec) -> Prepared:
     except _template_errors() as e:
         raise OpenAIError(400, f"the chat template cannot render these messages: {e}",
                           "messages") from e
-    max_tokens = _fit_context(len(prompt_ids), requested, spec.max_model_len, "messages", max_param)
+    max_tokens = _fit_context(len(prompt_ids), requested, spec.max_model_len, "messages", max_param,
+                              cap=spec.default_max_tokens)
     params = _final(params, max_tokens, spec, max_param, chat=True)
     parse_calls = constraint.kind in TOOL_KINDS
     return Prepared(prompt_ids, params, constraint,
@@ -290,12 +296,17 @@ def _sampling(req, spec: ModelSpec, requested: int | None, max_param: str,
     if bad:
         raise OpenAIError(400, f"'stop_token_ids' out of range [0, {spec.vocab_size}): {bad[:5]}",
                           "stop_token_ids")
-    top_k = req.top_k if req.top_k not in (None, -1) else 0   # vLLM spells "off" as -1
+    d = spec.sampling_defaults      # the model's generation_config.json (defaults.py)
+    top_k = _or(req.top_k, d.get("top_k", 0))
+    top_k = 0 if top_k == -1 else top_k                        # vLLM spells "off" as -1
     params = SamplingParams(
-        temperature=_or(req.temperature, 1.0), top_p=_or(req.top_p, 1.0), top_k=top_k,
-        min_p=_or(req.min_p, 0.0), presence_penalty=_or(req.presence_penalty, 0.0),
+        temperature=_or(req.temperature, d.get("temperature", 1.0)),
+        top_p=_or(req.top_p, d.get("top_p", 1.0)), top_k=top_k,
+        min_p=_or(req.min_p, d.get("min_p", 0.0)),
+        presence_penalty=_or(req.presence_penalty, 0.0),
         frequency_penalty=_or(req.frequency_penalty, 0.0),
-        repetition_penalty=_or(req.repetition_penalty, 1.0), logit_bias=bias, seed=req.seed,
+        repetition_penalty=_or(req.repetition_penalty, d.get("repetition_penalty", 1.0)),
+        logit_bias=bias, seed=req.seed,
         max_tokens=requested if requested is not None else spec.max_model_len,
         min_tokens=_or(req.min_tokens, 0),
         stop=(req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()),
@@ -324,9 +335,10 @@ def _check(params: SamplingParams, spec: ModelSpec, max_param: str, chat: bool) 
 
 
 def _fit_context(n_prompt: int, requested: int | None, window: int, prompt_name: str,
-                 max_param: str) -> int:
+                 max_param: str, cap: int | None = None) -> int:
     """max_tokens for the request: as asked if it fits the window, else a 400 with the numbers
-    (vLLM's wording); chat's default is whatever the window leaves."""
+    (vLLM's wording); chat's default is whatever the window leaves, at most `cap`
+    (GatewayConfig.default_max_tokens or the model's max_new_tokens)."""
     if requested is None:
         if n_prompt >= window:
             raise OpenAIError(400, f"This model's maximum context length is {window} tokens. "
@@ -334,7 +346,7 @@ def _fit_context(n_prompt: int, requested: int | None, window: int, prompt_name:
                                    f"leaving no room for a completion. Please reduce the length "
                                    f"of the {prompt_name}.", prompt_name,
                               code="context_length_exceeded")
-        return window - n_prompt
+        return min(window - n_prompt, cap) if cap else window - n_prompt
     if n_prompt + requested > window:
         raise OpenAIError(400, f"This model's maximum context length is {window} tokens. However, "
                                f"you requested {n_prompt + requested} tokens ({n_prompt} in the "

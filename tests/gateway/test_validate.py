@@ -148,7 +148,8 @@ def test_chat_defaults(spec):
     sp = p.params
     assert sp.seed is None            # resolved at dispatch
     assert sp.logprobs is None and sp.temperature == 1.0 and sp.top_k == 0
-    assert sp.max_tokens == spec.max_model_len - len(p.prompt_ids)   # vLLM's chat default
+    # the window's remainder (vLLM's chat default), capped by the gateway's default_max_tokens
+    assert sp.max_tokens == min(spec.max_model_len - len(p.prompt_ids), spec.default_max_tokens)
 
 
 def test_max_completion_tokens_wins_and_top_k_minus_one_is_off(spec):
