@@ -26,6 +26,7 @@ from shared.contracts.messages import Heartbeat
 from shared.service import ServiceRuntime
 
 from . import protocol as P
+from .apis.routes import add_routes, api_error_response
 from .config import GatewayConfig
 from .dispatch import ClientGone, DecodeClient
 from .metrics import CONTENT_TYPE, Metrics
@@ -119,6 +120,7 @@ def create_app(cfg: GatewayConfig, spec: ModelSpec | None = None) -> web.Applica
     app.router.add_get("/v1/models/{model:.+}", model)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    add_routes(app, gw)      # /v1/responses, /v1/messages, /tokenize, /detokenize (apis/)
 
     async def start(_app):
         await gw.start()
@@ -249,7 +251,10 @@ def _route(request: web.Request) -> str:
     return resource.canonical if resource is not None else "other"
 
 
-def _error_response(e: OpenAIError) -> web.Response:
+def _error_response(request: web.Request, e: OpenAIError) -> web.Response:
+    shaped = api_error_response(request, e)     # e.g. Anthropic's shape on /v1/messages
+    if shaped is not None:
+        return shaped
     return web.Response(status=e.status, body=P.dumps(e.body()), content_type="application/json")
 
 
@@ -275,20 +280,21 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
     try:
         resp = await handler(request)
     except OpenAIError as e:
-        resp = _error_response(e)
+        resp = _error_response(request, e)
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        resp = _error_response(_http_error(e, request))
+        resp = _error_response(request, _http_error(e, request))
     except ClientGone:
         # nobody reads this; answering keeps aiohttp from logging a traceback
-        resp = _error_response(OpenAIError(499, "client closed the connection", code="client_gone"))
+        resp = _error_response(request, OpenAIError(499, "client closed the connection",
+                                                    code="client_gone"))
     except (ConnectionError, asyncio.CancelledError):
         counter.inc(path=route, status="499")
         raise
     except Exception as e:  # noqa: BLE001 - a bug here; the client still gets a JSON error
         log.exception("unhandled error on %s %s", request.method, request.path)
-        resp = _error_response(OpenAIError(500, f"internal error in the gateway: {e!r}",
-                                           code="internal"))
+        resp = _error_response(request, OpenAIError(500, f"internal error in the gateway: {e!r}",
+                                                    code="internal"))
     counter.inc(path=route, status=str(resp.status))
     return resp

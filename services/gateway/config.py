@@ -42,6 +42,9 @@ class GatewayConfig:
         "generated-token cap for chat, responses and messages requests that set no "
         "max_tokens (a generation_config.json max_new_tokens wins; 0: no cap, only the "
         "context window)"))
+    responses_store_size: int = field(default=1024, metadata=_help(
+        "/v1/responses kept for previous_response_id and GET (store: true): an in-memory "
+        "LRU of this many responses per gateway (0: store nothing)"))
     max_redispatch: int = field(default=2, metadata=_help(
         "a request decode aborted for an acceptance anomaly goes to another decode instance "
         "at most this many times (only while nothing of it reached the client)"))
@@ -62,6 +65,9 @@ class GatewayConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_redispatch < 0:
             raise ValueError(f"max_redispatch must be >= 0, got {self.max_redispatch}")
+        if self.responses_store_size < 0:
+            raise ValueError(f"responses_store_size must be >= 0, got "
+                             f"{self.responses_store_size}")
         if self.default_max_tokens < 0:
             raise ValueError(f"default_max_tokens must be >= 0, got {self.default_max_tokens}")
         if self.max_body_bytes < 1024:
