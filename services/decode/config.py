@@ -39,6 +39,11 @@ class DecodeConfig:
     prefill_timeout_s: float = field(default=30.0, metadata={
         "help": "awaiting KV longer than this: prefill locally instead"})
     prefill_dead_after_s: float = 3.0
+    gateway_dead_after_s: float = field(default=5.0, metadata={
+        "help": "a gateway silent this long is gone: its requests are aborted (orphans)"})
+    max_queued: int = field(default=64, metadata={
+        "help": "requests waiting for a batch slot or for their KV beyond this: refused "
+                "as overloaded (the gateway tries another instance, else answers 429)"})
     drain_timeout_s: float = 10.0
     reclaim_lease_s: float = field(default=10.0, metadata={
         "help": "an aborted request's blocks stay quarantined at most this long when its "

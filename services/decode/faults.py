@@ -57,6 +57,11 @@ class DecodeFaults:
         "help": "TEST ONLY: grant every claim, free aborted blocks at once, send no Reclaim"})
     no_epoch_fence: bool = field(default=False, metadata={
         "help": "TEST ONLY: KV writes land in the blocks they name, whatever their epoch"})
+    drop_chunk_seq: int = field(default=-1, metadata={
+        "help": "TEST ONLY: the TokenChunk with this seq of every request is never sent "
+                "(a lost message; -1: none)"})
+    drop_last_chunk: bool = field(default=False, metadata={
+        "help": "TEST ONLY: the final TokenChunk of every request is never sent"})
 
     def __post_init__(self):
         parse_kinds(self.corrupt_kv)

@@ -4,7 +4,7 @@ so the request path has no fault branches:
     FaultySlots      selected PD requests get their received prompt KV corrupted just
                      before they start decoding (zero_layer / swap / noise)
     repeat_loop      on_submit is wrapped: selected requests get a +100 logit bias
-    FaultyPeers      prefill jobs leave without their constraint
+    FaultyPeers      prefill jobs leave without their constraint; token chunks are lost
     guard switches   the request table grants every claim and frees at once
                      (no_reclaim_ack); the slots let every write land (no_epoch_fence)
 """
@@ -35,7 +35,9 @@ def install(svc, f: DecodeFaults) -> dict[str, int]:
 
 
 def wrap_peers(peers, f: DecodeFaults):
-    return FaultyPeers(peers) if f.drop_constraint_in_job else peers
+    if f.drop_constraint_in_job or f.drop_chunk_seq >= 0 or f.drop_last_chunk:
+        return FaultyPeers(peers, f)
+    return peers
 
 
 class FaultySlots:
@@ -93,11 +95,22 @@ def _repeat_loop(svc, f: DecodeFaults, injected: dict[str, int]):
 
 
 class FaultyPeers:
-    def __init__(self, inner):
+    def __init__(self, inner, f: DecodeFaults):
         self.inner = inner
+        self.f = f
+        self.dropped = 0
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     async def queue_job(self, job) -> None:
-        await self.inner.queue_job(faults.drop_constraint(job))
+        if self.f.drop_constraint_in_job:
+            job = faults.drop_constraint(job)
+        await self.inner.queue_job(job)
+
+    async def send_chunk(self, subject: str, chunk) -> None:
+        if chunk.seq == self.f.drop_chunk_seq or (self.f.drop_last_chunk and chunk.finished):
+            self.dropped += 1
+            log.warning("%s: TEST ONLY token chunk %d dropped", chunk.request_id, chunk.seq)
+            return
+        await self.inner.send_chunk(subject, chunk)

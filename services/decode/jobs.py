@@ -9,7 +9,8 @@ import time
 from shared.contracts.messages import DecodeSubmit, KvDestination, PrefillJob
 
 # fields of DecodeSubmit that PrefillJob must carry unchanged
-CARRIED = ("request_id", "prompt_ids", "params", "constraint", "tokenizer_fingerprint")
+CARRIED = ("request_id", "prompt_ids", "params", "constraint", "tokenizer_fingerprint",
+           "resume_from")
 
 
 def make_prefill_job(sub: DecodeSubmit, dest: KvDestination, model: str,
@@ -17,5 +18,6 @@ def make_prefill_job(sub: DecodeSubmit, dest: KvDestination, model: str,
     return PrefillJob(
         request_id=sub.request_id, prompt_ids=sub.prompt_ids, params=sub.params,
         constraint=sub.constraint,
-        tokenizer_fingerprint=sub.tokenizer_fingerprint, model=model, block_size=block_size,
+        tokenizer_fingerprint=sub.tokenizer_fingerprint, resume_from=sub.resume_from,
+        model=model, block_size=block_size,
         dest=dest, issued_at=time.time())

@@ -56,6 +56,7 @@ class RequestTable:
         self.reclaims: Counter = Counter()        # Outcome value -> reclaims
         self.claims: Counter = Counter()          # granted / refused
         self.stray_writes = 0                     # writes for no known reservation
+        self.foreign_writes = 0                   # refused by the owner check
         self.quarantined_writes = 0               # writes that landed on a quarantine: the
         #                                           hazard the reclaim-ack waits out
         # quarantine -> free, seconds (immediate frees are counted in reclaims only)
@@ -134,6 +135,18 @@ class RequestTable:
         if self.records[rid].quarantine is not None and g is self.records[rid].quarantine.grant:
             self.quarantined_writes += 1
         g.received[attempt] += 1
+
+    def may_land(self, rid: str, attempt: str) -> bool:
+        """The owner check: a write for a request that awaits its KV lands only if its
+        attempt is one the reservation granted (a write from another attempt, or from a
+        previous life of this process, never does). Elsewhere the epoch fence decides."""
+        r = self.records.get(rid)
+        if r is None or r.grant is None or not self.ack_enabled:
+            return True
+        if attempt in r.grant.owners:
+            return True
+        self.foreign_writes += 1
+        return False
 
     def writes_received(self, rid: str, attempt: str) -> int:
         g = self._grant_of(rid)
@@ -268,6 +281,7 @@ class RequestTable:
                 "awaiting_kv": sum(1 for r in self.records.values() if r.wants_kv),
                 "claims_granted": self.claims["granted"], "claims_refused": self.claims["refused"],
                 "kv_writes_stray": self.stray_writes,
+                "kv_writes_not_owner": self.foreign_writes,
                 "kv_writes_quarantined": self.quarantined_writes,
                 "reclaim_latency_ms": {"n": len(lat), "p50": pct(0.5), "p90": pct(0.9),
                                        "p99": pct(0.99), "max": pct(1.0)},

@@ -74,6 +74,7 @@ class DecodeRequest:
     status: RequestStatus
     path: Path = Path.COLOCATED
     reply_subject: str = ""
+    gateway: str = ""                     # whose request it is (orphan detection)
     submitted: float = 0.0
     grant: KvGrant | None = None          # while ALLOCATED / AWAITING_KV
     quarantine: Quarantine | None = None  # an old reservation being reclaimed

@@ -49,6 +49,7 @@ from .config import DecodeConfig
 from .jobs import make_prefill_job
 from .lifecycle import Next, RequestTable
 from .monitor import RULES, AnomalyMonitor
+from .orphans import GatewayWatch
 from .peers import DecodePeers, NatsDecodePeers
 from .reclaim import Reclaimer
 from .slots import KvSlots, Slots
@@ -71,6 +72,7 @@ class DecodeService:
         self.table = RequestTable(cfg.reclaim_lease_s, cfg.reclaim_timeout_s)
         self.slots = KvSlots(self.engine)
         self.prefill_seen: dict[str, float] = {}
+        self.gateways = GatewayWatch(cfg.gateway_dead_after_s)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self.wake = asyncio.Event()
         self.accepting = True
@@ -109,9 +111,11 @@ class DecodeService:
                  Codec(PrefillDone))
         await ep("claim", subjects.decode_claim(self.iid), self.on_claim, Codec(PrefillClaim))
         await NatsKvTransport(self.rt).listen(self.iid, self.on_kv_write)
-        await nc.subscribe(subjects.heartbeat("prefill"), cb=self.on_prefill_heartbeat)
+        await nc.subscribe(subjects.heartbeat("prefill"), cb=self.on_heartbeat)
+        await nc.subscribe(subjects.heartbeat("gateway"), cb=self.on_heartbeat)
         self.rt.spawn(self.engine_loop())
         self.rt.spawn(self.reclaimer.run(self.cfg.prefill_timeout_s))
+        self.rt.spawn(self.abort_orphans())
         log.info("decode %s ready (model %s, %d KV blocks)", self.iid, self.cfg.model,
                  self.engine.pool.num_blocks)
 
@@ -143,6 +147,7 @@ class DecodeService:
                          blocks_free=st["blocks_free"], blocks_used=st["blocks_used"],
                          blocks_quarantined=st["blocks_quarantined"],
                          accepting=self.accepting, max_model_len=self.engine.max_model_len,
+                         capacity=self.engine.cfg.max_num_seqs,
                          ts=time.time())
 
     def stats(self) -> dict:
@@ -158,7 +163,8 @@ class DecodeService:
     async def on_submit(self, sub: DecodeSubmit) -> bytes:
         rid = sub.request_id
         self._check_submit(sub)
-        fields = {"reply_subject": sub.reply_subject, "submitted": time.monotonic()}
+        fields = {"reply_subject": sub.reply_subject, "gateway": sub.gateway,
+                  "submitted": time.monotonic()}
         slots = None
         try:
             self.engine.check_request(sub.prompt_ids, sub.params)
@@ -188,10 +194,14 @@ class DecodeService:
                                sub.request_id)
         if self.table.get(sub.request_id) is not None:
             raise ServiceError(ErrorCode.INVALID_REQUEST, "duplicate request id", sub.request_id)
+        queued = self.engine.stats()["waiting"] + self.table.stats()["awaiting_kv"]
+        if queued >= self.cfg.max_queued:
+            raise ServiceError(ErrorCode.OVERLOADED, f"{queued} requests queued here "
+                               f"(max_queued {self.cfg.max_queued})", sub.request_id)
 
     def _admit_local(self, sub: DecodeSubmit, fields: dict) -> None:
         self.engine.add_request(sub.request_id, sub.prompt_ids, sub.params,
-                                constraint=sub.constraint)
+                                constraint=sub.constraint, replay=sub.resume_from)
         self.table.admit_local(sub.request_id, path=Path.COLOCATED, **fields)
 
     async def _reserve(self, sub: DecodeSubmit) -> Slots:
@@ -199,7 +209,7 @@ class DecodeService:
         if self.cfg.kvstore and self.kvc is not None:
             tier = await self.kvc.lookup(self.engine.prefix_keys(sub.prompt_ids))
         slots = self.slots.reserve(sub.request_id, sub.prompt_ids, sub.params, sub.constraint,
-                                   tier, self.table.stats()["awaiting_kv"])
+                                   tier, self.table.stats()["awaiting_kv"], sub.resume_from)
         if slots.load is not None:
             self.rt.spawn(self.kvc.load(self.engine, slots.load))
         return slots
@@ -233,9 +243,10 @@ class DecodeService:
         return encode(ClaimReply(request_id=c.request_id, granted=granted, reason=why))
 
     async def on_kv_write(self, w: KvWrite, payload) -> KvWriteAck:
-        self.table.write(w.request_id, w.attempt or w.sender)   # counted, landed or not
+        attempt = w.attempt or w.sender
+        self.table.write(w.request_id, attempt)                 # counted, landed or not
         try:
-            landed = self.slots.write(w, payload)
+            landed = self.table.may_land(w.request_id, attempt) and self.slots.write(w, payload)
         except ValueError as e:
             raise ServiceError(ErrorCode.INVALID_REQUEST, str(e), w.request_id) from e
         finally:
@@ -282,12 +293,23 @@ class DecodeService:
         self.reclaimer.abort(ab.request_id, ab.reason or AbortReason.CLIENT)
         return None
 
-    async def on_prefill_heartbeat(self, msg) -> None:
+    async def on_heartbeat(self, msg) -> None:
+        """Prefill workers (is PD possible?) and gateways (orphans.py)."""
         try:
             hb = HEARTBEAT.decode(msg.data)
         except ContractError:
             return
-        self.prefill_seen[hb.instance_id] = time.monotonic()
+        if hb.service == "gateway":
+            self.gateways.heard(hb.instance_id, time.monotonic())
+        elif hb.service == "prefill":
+            self.prefill_seen[hb.instance_id] = time.monotonic()
+
+    async def abort_orphans(self, every_s: float = 0.5) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            for rid in self.gateways.orphans(self.table.live(), time.monotonic()):
+                log.warning("%s: its gateway is gone; aborting", rid)
+                self.reclaimer.abort(rid, AbortReason.GATEWAY_LOST)
 
     # ---- engine loop ------------------------------------------------------------------
     async def engine_loop(self) -> None:

@@ -31,7 +31,7 @@ from .config import GatewayConfig
 from .dispatch import ClientGone, DecodeClient
 from .metrics import CONTENT_TYPE, Metrics
 from .model import ModelSpec
-from .protocol import OpenAIError
+from .protocol import OpenAIError, overloaded
 from .registry import Registry
 from .respond import answer
 from .validate import Prepared, parse_chat, parse_completion
@@ -62,7 +62,9 @@ class Gateway:
         self.client = DecodeClient(self.runtime.nc, self.registry, self.cfg.instance_id,
                                    self.spec.tokenizer.fingerprint, self.cfg.submit_timeout_s,
                                    self.cfg.request_timeout_s,
-                                   max_redispatch=self.cfg.max_redispatch)
+                                   max_redispatch=self.cfg.max_redispatch,
+                                   max_migrations=self.cfg.max_migrations,
+                                   progress_timeout_s=self.cfg.progress_timeout_s)
         await self.client.start()
         self.runtime.spawn(self.runtime.run(heartbeat=self._heartbeat))
         log.info("gateway %s serving %s (context %d) via %s", self.cfg.instance_id,
@@ -88,6 +90,16 @@ class Gateway:
 
     async def prepare(self, parse: Callable[[bytes, ModelSpec], Prepared], body: bytes) -> Prepared:
         return await asyncio.get_running_loop().run_in_executor(self._cpu, parse, body, self.spec)
+
+    def admit(self) -> None:
+        """Raise unless a new request may start now: 503 while draining, 429 (with
+        Retry-After) past max_in_flight. Every generating endpoint calls it first."""
+        if self.draining:
+            raise OpenAIError(503, "the gateway is shutting down", code="shutting_down")
+        cap = self.cfg.max_in_flight or 2 * self.registry.capacity(time.monotonic())
+        if cap and self.in_flight >= cap:
+            self.metrics.failures.inc(code="rate_limit_exceeded")
+            raise overloaded(f"{self.in_flight} requests in flight (limit {cap})")
 
     def nats_connected(self) -> bool:
         nc = self.runtime.nc
@@ -146,8 +158,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def _generate(request: web.Request, parse, id_prefix: str) -> web.StreamResponse:
     gw = request.app[GATEWAY]
-    if gw.draining:
-        raise OpenAIError(503, "the gateway is shutting down", code="shutting_down")
+    gw.admit()
     arrival = time.monotonic()
     gw.in_flight += 1
     try:
@@ -255,7 +266,8 @@ def _error_response(request: web.Request, e: OpenAIError) -> web.Response:
     shaped = api_error_response(request, e)     # e.g. Anthropic's shape on /v1/messages
     if shaped is not None:
         return shaped
-    return web.Response(status=e.status, body=P.dumps(e.body()), content_type="application/json")
+    return web.Response(status=e.status, body=P.dumps(e.body()), content_type="application/json",
+                        headers=e.headers)
 
 
 def _http_error(e: web.HTTPException, request: web.Request) -> OpenAIError:

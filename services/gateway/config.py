@@ -49,6 +49,16 @@ class GatewayConfig:
         "a request decode aborted for an acceptance anomaly goes to another decode instance "
         "at most this many times (only while nothing of it reached the client)"))
 
+    max_migrations: int = field(default=3, metadata=_help(
+        "a request whose decode instance is lost (dead, silent, a lost chunk) moves to "
+        "another instance with its tokens so far at most this many times"))
+    progress_timeout_s: float = field(default=60.0, metadata=_help(
+        "a request that gets no chunk for this long is treated like one whose decode "
+        "instance was lost (migrated)"))
+    max_in_flight: int = field(default=0, metadata=_help(
+        "requests in flight beyond this get 429 with Retry-After (0: twice what the live "
+        "decode instances batch at once, from their heartbeats)"))
+
     def __post_init__(self):
         if not self.model:
             raise ValueError("model is required: --model PATH or PDMESH_MODEL")

@@ -16,6 +16,14 @@ Life cycle of a request:
   redispatch  after decode aborted the request for an acceptance anomaly (invariant 5):
               the same submission (prompt, params with the resolved seed, constraint) to
               an instance that has not had it, at most max_redispatch times per request.
+  migrate     after the request's instance was lost (invariant 7): next_chunk raises Lost
+              when the instance stops heartbeating, when a chunk's seq is not the next one
+              (a chunk was lost: never taken for the end), or when no chunk came for
+              progress_timeout_s. The request moves to another instance as prompt + the
+              tokens received so far (resume_from: decode's grammar replays them; the
+              sampler's stream is keyed by position, so a seeded stream continues as one
+              generation), with max_tokens/min_tokens reduced by what was received; at most
+              max_migrations times, then the Lost error reaches the client.
 """
 from __future__ import annotations
 
@@ -37,7 +45,7 @@ from shared.contracts.sampling import SamplingParams
 from shared.service import ServiceError, decode_reply
 
 from .affinity import PrefixAffinity
-from .protocol import OpenAIError
+from .protocol import OpenAIError, overloaded
 from .registry import Registry
 
 log = logging.getLogger("pdmesh.gateway")
@@ -68,6 +76,7 @@ class Submission:
     constraint: Constraint
     force_path: Path | None
     tried: set[str] = field(default_factory=set)   # instances it was sent to
+    resume_from: int = 0       # migration: trailing prompt tokens that are output so far
 
 
 @dataclass(slots=True)
@@ -80,6 +89,18 @@ class Dispatch:
     sub: Submission = field(repr=False)
     finished: bool = False     # decode has ended it (no abort needed)
     redispatches: int = 0      # earlier dispatches of the request that decode aborted
+    migrations: int = 0        # earlier dispatches whose instance was lost
+    origin: Submission | None = field(default=None, repr=False)   # before any migration
+    next_seq: int = 0          # the seq the next TokenChunk must carry
+    progress_at: float = 0.0   # when the last chunk (or the dispatch) arrived
+
+
+class Lost(OpenAIError):
+    """The request's decode instance was lost (the request can be migrated)."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(503, message, code=ErrorCode.INSTANCE_LOST.value)
+        self.reason = reason
 
 
 def chunk_error(err: ErrorReply, instance: str) -> OpenAIError:
@@ -91,14 +112,18 @@ def chunk_error(err: ErrorReply, instance: str) -> OpenAIError:
 class DecodeClient:
     def __init__(self, nc, registry: Registry, instance_id: str, fingerprint: str,
                  submit_timeout_s: float, request_timeout_s: float, tick_s: float = 0.5,
-                 clock: Callable[[], float] = time.monotonic, max_redispatch: int = 2):
+                 clock: Callable[[], float] = time.monotonic, max_redispatch: int = 2,
+                 max_migrations: int = 3, progress_timeout_s: float = 60.0):
         self.nc = nc
         self.registry = registry
+        self.instance_id = instance_id
         self.reply_subject = subjects.gateway_tokens(instance_id)
         self.fingerprint = fingerprint
         self.submit_timeout_s = submit_timeout_s
         self.request_timeout_s = request_timeout_s
         self.max_redispatch = max_redispatch
+        self.max_migrations = max_migrations
+        self.progress_timeout_s = progress_timeout_s
         self.tick_s = min(tick_s, registry.dead_after_s / 4)
         self.clock = clock
         self.queues: dict[str, asyncio.Queue] = {}
@@ -155,7 +180,33 @@ class DecodeClient:
         except OpenAIError as e:
             log.warning("%s: re-dispatch failed: %s", d.sub.request_id, e.message)
             return None
-        nd.redispatches = d.redispatches + 1
+        nd.redispatches, nd.migrations, nd.origin = d.redispatches + 1, d.migrations, d.origin
+        return nd
+
+    async def migrate(self, d: Dispatch, output_ids: list[int], reason: str) -> Dispatch | None:
+        """d's instance was lost: continue the request elsewhere from output_ids (the
+        tokens received so far). None once max_migrations moves were made, or when no
+        instance takes it; the caller then reports the loss."""
+        if d.migrations >= self.max_migrations:
+            return None
+        origin = d.origin or d.sub
+        n = len(output_ids)
+        p = origin.params
+        if n >= p.max_tokens:
+            return None
+        params = msgspec.structs.replace(p, max_tokens=p.max_tokens - n,
+                                         min_tokens=max(0, p.min_tokens - n))
+        sub = Submission(origin.request_id, origin.prompt_ids + list(output_ids), params,
+                         origin.constraint, origin.force_path,
+                         tried=set(d.sub.tried) | {d.instance}, resume_from=n)
+        await self.abort(d, f"migrated_{reason}")     # if it still lives, it stops
+        self.release(d)
+        try:
+            nd = await self._send(sub)
+        except OpenAIError as e:
+            log.warning("%s: migration failed: %s", origin.request_id, e.message)
+            return None
+        nd.redispatches, nd.migrations, nd.origin = d.redispatches, d.migrations + 1, origin
         return nd
 
     async def _send(self, sub: Submission) -> Dispatch:
@@ -176,7 +227,9 @@ class DecodeClient:
             self.registry.sent(inst)
             self.routed_warm += cached.get(inst, 0) > 0
             self.affinity.record(sub.prompt_ids, inst)
-            return Dispatch(rid, inst, ack.path, queue, sub)
+            return Dispatch(rid, inst, ack.path, queue, sub, progress_at=self.clock())
+        if reasons and all(ErrorCode.OVERLOADED.value in r for r in reasons):
+            raise overloaded("every decode instance refused: " + "; ".join(reasons))
         why = self.registry.why_none(self.clock(), tried)
         if not self.nc.is_connected:
             why += " (this gateway is not connected to NATS)"
@@ -189,7 +242,8 @@ class DecodeClient:
         (its chunk queue is dropped then); raises what another instance would not change."""
         msg = DecodeSubmit(request_id=rid, prompt_ids=sub.prompt_ids, params=sub.params,
                            constraint=sub.constraint, tokenizer_fingerprint=self.fingerprint,
-                           reply_subject=self.reply_subject, force_path=sub.force_path)
+                           reply_subject=self.reply_subject, force_path=sub.force_path,
+                           gateway=self.instance_id, resume_from=sub.resume_from)
         try:
             reply = await self.nc.request(subjects.decode_submit(inst), encode(msg),
                                           timeout=self.submit_timeout_s)
@@ -236,20 +290,37 @@ class DecodeClient:
             if client_gone is not None and client_gone():
                 raise ClientGone(d.request_id)
             try:
-                return d.queue.get_nowait()
+                return self._in_order(d, d.queue.get_nowait())
             except asyncio.QueueEmpty:
                 pass
             try:
-                return await asyncio.wait_for(d.queue.get(), min(self.tick_s, deadline - now))
+                c = await asyncio.wait_for(d.queue.get(), min(self.tick_s, deadline - now))
+                return self._in_order(d, c)
             except asyncio.TimeoutError:
                 pass
-            # idle for a tick: is the instance still there?
-            if not self.registry.is_alive(d.instance, self.clock()):
-                silent = self.registry.silent_for(d.instance, self.clock()) or 0.0
-                conn = "" if self.nc.is_connected else " (this gateway is not connected to NATS)"
-                raise OpenAIError(503, f"decode instance {d.instance} stopped sending heartbeats "
-                                       f"({silent:.1f}s silent) while serving this request{conn}",
-                                  code=ErrorCode.INSTANCE_LOST.value)
+            self._check_progress(d)
+
+    def _in_order(self, d: Dispatch, c: TokenChunk) -> TokenChunk:
+        """A chunk whose seq is not the next one means one was lost: never a silent end."""
+        if c.error is None:      # (error chunks made here carry no sequence)
+            if c.seq != d.next_seq:
+                raise Lost(f"decode instance {d.instance}: token chunk {d.next_seq} of this "
+                           f"request was lost (got {c.seq})", "chunk_gap")
+            d.next_seq += 1
+        d.progress_at = self.clock()
+        return c
+
+    def _check_progress(self, d: Dispatch) -> None:
+        """Idle for a tick: is the instance still there, and is the request moving?"""
+        now = self.clock()
+        if not self.registry.is_alive(d.instance, now):
+            silent = self.registry.silent_for(d.instance, now) or 0.0
+            conn = "" if self.nc.is_connected else " (this gateway is not connected to NATS)"
+            raise Lost(f"decode instance {d.instance} stopped sending heartbeats "
+                       f"({silent:.1f}s silent) while serving this request{conn}", "instance_dead")
+        if now - d.progress_at > self.progress_timeout_s:
+            raise Lost(f"decode instance {d.instance} sent nothing for this request in "
+                       f"{now - d.progress_at:.0f}s (progress_timeout_s)", "no_progress")
 
     async def abort(self, d: Dispatch, reason: str) -> None:
         if not d.finished:

@@ -98,11 +98,15 @@ class Metrics:
         self.redispatches = Counter("pdmesh_redispatches_total",
                                     "Anomaly-aborted requests sent to another decode instance.")
         self.redispatches.inc(0)       # exposed from the start
+        self.migrations = Counter("pdmesh_migrations_total",
+                                  "Requests moved to another decode instance after theirs was "
+                                  "lost (dead, silent, or a chunk went missing), by reason.")
 
     def render(self, gauges: dict[str, tuple[str, float]]) -> str:
         lines: list[str] = []
         for m in (self.requests, self.failures, self.placements, self.prompt_tokens,
-                  self.cached_tokens, self.anomaly_aborts, self.redispatches, self.ttft,
+                  self.cached_tokens, self.anomaly_aborts, self.redispatches, self.migrations,
+                  self.ttft,
                   self.itl, self.spec_accept_length):
             lines += m.render()
         for name, (help_, value) in gauges.items():

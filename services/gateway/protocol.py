@@ -133,9 +133,11 @@ class OpenAIError(Exception):
     """An error the client sees as {"error": {message, type, param, code}} with `status`."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, type: str | None = None):
+                 code: str | None = None, type: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
+        self.headers = headers or {}
         self.message = message
         self.param = param
         self.code = code
@@ -147,6 +149,13 @@ class OpenAIError(Exception):
 
     def __repr__(self) -> str:
         return f"OpenAIError({self.status}, {self.message!r}, param={self.param!r})"
+
+
+def overloaded(message: str, retry_after_s: int = 1) -> OpenAIError:
+    """429: refused now rather than queued without bound; the client may retry soon."""
+    return OpenAIError(429, f"overloaded: {message}; retry after {retry_after_s}s",
+                       code="rate_limit_exceeded", type="requests",
+                       headers={"Retry-After": str(retry_after_s)})
 
 
 # ---- responses ---------------------------------------------------------------------------

@@ -81,6 +81,10 @@ class Registry:
                 return max(warm, key=lambda i: (cached[i.hb.instance_id], -i.load)).hb.instance_id
         return best.hb.instance_id
 
+    def capacity(self, now: float) -> int:
+        """Requests the live decode instances batch at once, together."""
+        return sum(i.hb.capacity or 16 for i in self.alive(now) if i.hb.accepting)
+
     def why_none(self, now: float, exclude: set[str] | frozenset[str] = frozenset()) -> str:
         """Why choose() returned None, in words for a 503."""
         alive = self.alive(now)

@@ -29,7 +29,7 @@ from shared.contracts.messages import AbortReason, FinishReason, TokenChunk
 from shared.toolcalls import ToolCallStreamParser, parse_tool_calls
 
 from . import protocol as P
-from .dispatch import ClientGone, DecodeClient, Dispatch, chunk_error
+from .dispatch import ClientGone, DecodeClient, Dispatch, Lost, chunk_error
 from .metrics import Metrics
 from .protocol import OpenAIError
 from .validate import Prepared
@@ -52,9 +52,15 @@ class Answer:
         self._last_token_at: float | None = None
         self.restart(d)
 
+    def resume(self, d: Dispatch) -> None:
+        """Go on from dispatch d, which continues after the tokens received so far."""
+        self.d = d
+        self.base = len(self.token_ids)
+
     def restart(self, d: Dispatch) -> None:
         """Serve the request from dispatch d, from its first token."""
         self.d = d
+        self.base = 0               # tokens received before d (d's prompt ends with them)
         self.parts: list[str] = []
         self.token_ids: list[int] = []
         self.prompt_tokens = len(self.prep.prompt_ids)
@@ -83,10 +89,11 @@ class Answer:
                                    f"finish_reason={chunk.finish_reason!r}", code="aborted")
         self._time(len(chunk.token_ids))
         self.counted += len(chunk.token_ids)
-        self.reported = max(self.reported, chunk.completion_tokens)
+        if chunk.completion_tokens:
+            self.reported = max(self.reported, self.base + chunk.completion_tokens)
         if chunk.prompt_tokens:
-            self.prompt_tokens = chunk.prompt_tokens
-        self.cached_tokens = max(self.cached_tokens, chunk.cached_tokens)
+            self.prompt_tokens = chunk.prompt_tokens - self.base
+        self.cached_tokens = min(max(self.cached_tokens, chunk.cached_tokens), self.prompt_tokens)
         if chunk.spec_steps:
             self.spec = (chunk.spec_steps, chunk.spec_proposed, chunk.spec_accepted)
         if chunk.finished:
@@ -141,7 +148,17 @@ async def next_chunk(client: DecodeClient, ans: Answer, deadline: float,
     reached the client (and DecodeClient.redispatch finds an instance and has attempts
     left); otherwise the error chunk is returned, for Answer.add to raise."""
     while True:
-        c = await client.next_chunk(ans.d, deadline, gone)
+        try:
+            c = await client.next_chunk(ans.d, deadline, gone)
+        except Lost as e:
+            nd = await client.migrate(ans.d, ans.token_ids, e.reason)
+            if nd is None:
+                raise
+            log.warning("%s: %s; migrated to %s after %d tokens", ans.rid, e.message,
+                        nd.instance, len(ans.token_ids))
+            ans.metrics.migrations.inc(reason=e.reason)
+            ans.resume(nd)
+            continue
         if c.error is None or c.error.code is not ErrorCode.ANOMALY:
             return c
         ans.metrics.anomaly_aborts.inc(rule=c.anomaly_rule or "unknown")

@@ -265,7 +265,8 @@ class PrefillService:
         fut = asyncio.get_running_loop().create_future()
         self.pending[local_id] = fut
         load = self.engine.add_request(local_id, job.prompt_ids, job.params, prefill_only=True,
-                                       constraint=job.constraint, tier_blocks=tier)
+                                       constraint=job.constraint, tier_blocks=tier,
+                                       replay=job.resume_from)
         if load is not None:
             self.rt.spawn(self.kvc.load(self.engine, load))
         self.wake.set()

@@ -38,6 +38,10 @@ class DecodeSubmit(msgspec.Struct, frozen=True, kw_only=True):
     tokenizer_fingerprint: str
     reply_subject: str
     force_path: Path | None = None    # None: decode decides
+    gateway: str = ""                 # the gateway's instance id: its requests are aborted
+    #                                   when it stops heartbeating (orphans)
+    resume_from: int = 0              # migration: the last resume_from prompt tokens are
+    #                                   output already streamed (the grammar replays them)
 
 
 class SubmitAck(msgspec.Struct, frozen=True, kw_only=True):
@@ -68,6 +72,7 @@ class PrefillJob(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int
     dest: KvDestination
     issued_at: float = 0.0
+    resume_from: int = 0              # DecodeSubmit.resume_from: the grammar replays them
 
 
 class PrefillStatus(str, enum.Enum):
@@ -144,6 +149,7 @@ class AbortReason(str, enum.Enum):
     ENGINE_ERROR = "engine_error"
     PREFILL_FAILED = "prefill_failed"
     PREFILL_TIMEOUT = "prefill_timeout"
+    GATEWAY_LOST = "gateway_lost"
     DISPATCH_FAILED = "dispatch_failed"
 
 
@@ -166,6 +172,7 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     blocks_used: int = 0
     blocks_quarantined: int = 0       # decode: aborted requests' blocks awaiting reclaim
     accepting: bool = True            # False while draining: send no new work
+    capacity: int = 0                 # decode: requests it batches at once (max_num_seqs)
     max_model_len: int = 0
     ts: float = 0.0
 

@@ -7,11 +7,15 @@ to zero stays cached ("evictable") and is reused, least recently used first, onl
 no never-cached block is free: eviction drops its key.
 
 Each allocation stamps the block with a new epoch, so a stale writer (one that was given
-the block under an earlier epoch) can be recognised and fenced off. Cached blocks are
+the block under an earlier epoch) can be recognised and fenced off. Epochs start at a
+random 62-bit base in every pool (every process incarnation): a write issued to a
+previous life of this process (same instance id, same block ids) names epochs this life
+will practically never hand out, so the fence drops it too. Cached blocks are
 never handed to a remote writer: only freshly allocated blocks are.
 """
 from __future__ import annotations
 
+import secrets
 from collections import OrderedDict, deque
 
 
@@ -20,7 +24,8 @@ class NoFreeBlocks(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, epoch_base: int | None = None):
+        """epoch_base: the first epoch (default: random per pool; tests may fix it)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, "
                              f"{block_size}")
@@ -32,7 +37,7 @@ class BlockPool:
         self._cached: dict[bytes, int] = {}         # prefix key -> block
         self._evictable: OrderedDict[int, None] = OrderedDict()   # cached, ref 0, LRU first
         self.epoch = [0] * num_blocks
-        self._next_epoch = 1
+        self._next_epoch = secrets.randbits(62) + 1 if epoch_base is None else epoch_base
         self.hits = 0           # blocks served from the prefix index
         self.queries = 0        # blocks looked up
         self.evictions = 0

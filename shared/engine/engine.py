@@ -159,7 +159,10 @@ class LLMEngine:
                 f"request needs {self.pool.blocks_for(total)} KV blocks; the pool has "
                 f"{self.pool.num_blocks}")
 
-    def _new_seq(self, request_id, prompt_ids, params, constraint=None) -> Sequence:
+    def _new_seq(self, request_id, prompt_ids, params, constraint=None, replay: int = 0
+                 ) -> Sequence:
+        """replay: the last `replay` prompt tokens are output already generated under the
+        constraint elsewhere (a migrated request): the grammar catches up with them."""
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.check_request(prompt_ids, params)
@@ -170,6 +173,12 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("constrained decoding needs a tokenizer")
             state = self.grammar.new_state(constraint)   # ConstraintError is a ValueError
+            if replay:
+                from .grammar import ReplayError
+                try:
+                    state.replay(prompt_ids[len(prompt_ids) - replay:])
+                except ReplayError as e:
+                    raise ValueError(f"the output to resume from breaks the constraint: {e}")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(request_id, list(prompt_ids), params, seed, next(self._arrival))
         detok = None
@@ -183,11 +192,11 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_ids: list[int], params,
                     prefill_only: bool = False, constraint=None,
-                    tier_blocks: int = 0) -> LayerLoad | None:
+                    tier_blocks: int = 0, replay: int = 0) -> LayerLoad | None:
         """tier_blocks: how many leading blocks of prefix_keys(prompt) a lower tier holds.
         Returns the LayerLoad the caller must fill (blocks beyond the L1 hit), or None."""
         with self.lock:
-            seq = self._new_seq(request_id, prompt_ids, params, constraint)
+            seq = self._new_seq(request_id, prompt_ids, params, constraint, replay)
             seq.stop_after_prefill = prefill_only
             load = self.prefix.attach(seq, tier_blocks)
             self.scheduler.add(seq)
@@ -212,13 +221,14 @@ class LLMEngine:
 
     # ---- held sequences (KV filled from outside) ----------------------------------
     def hold(self, request_id: str, prompt_ids: list[int], params, constraint=None,
-             tier_blocks: int = 0, reserve_tokens: int = 0) -> tuple[Sequence, LayerLoad | None]:
+             tier_blocks: int = 0, reserve_tokens: int = 0, replay: int = 0
+             ) -> tuple[Sequence, LayerLoad | None]:
         """A sequence with blocks for max(reserve_tokens, prompt) tokens, not scheduled:
         its leading seq.num_cached prompt tokens come from the prefix cache (L1, or the
         returned load from a lower tier), the caller fills the rest. Raises NoFreeBlocks
         when short (nothing is kept)."""
         with self.lock:
-            seq = self._new_seq(request_id, prompt_ids, params, constraint)
+            seq = self._new_seq(request_id, prompt_ids, params, constraint, replay)
             load = self.prefix.attach(seq, tier_blocks)
             need = self.pool.blocks_for(max(reserve_tokens, len(prompt_ids))) - len(seq.block_table)
             try:

@@ -153,3 +153,41 @@ async def test_late_write_after_the_lease_never_reaches_the_next_request(
             assert got != reference(b)
     finally:
         await mesh.close()
+
+
+@pytest.mark.parametrize("guards", ["owner_check", "epoch_base", "none"])
+async def test_a_write_meant_for_a_previous_life_never_lands(tiny_target, tiny_prompts, guards):
+    """A decode instance restarts under the same id and reserves the same request again;
+    a write its previous life's prefill still had on the wire arrives. The owner check
+    refuses it (its attempt was never granted here); with the owner check off (reclaim-ack
+    off: TEST ONLY) the random epoch base of the new life fences it; with neither (a fixed
+    epoch base, as before incarnations) it lands in the new life's blocks."""
+    decode = {"instance_id": "decode_0", "num_blocks": 8}
+    if guards != "owner_check":
+        decode["fault_no_reclaim_ack"] = True
+    old, new = LocalMesh(tiny_target, decode=decode, gated=True), LocalMesh(tiny_target,
+                                                                            decode=decode)
+    if guards == "none":
+        for life in (old, new):
+            life.decode.engine.pool._next_epoch = 1
+    await old.start(decode_loop=False)
+    await new.start(decode_loop=False)
+    try:
+        p = prompt(tiny_prompts, 5)
+        await old.submit("a", p, max_tokens=MAX_TOKENS)
+        task, _ = old.run_job()
+        await old.gate.waiting.wait()                     # the old life's write is in flight
+        await new.submit("a", p, max_tokens=MAX_TOKENS)   # the new life reserves it again
+        old_dest, new_dest = old.decode.table.get("a").grant, new.decode.table.get("a").grant
+        assert old_dest.block_ids == new_dest.block_ids
+        assert (old_dest.epochs == new_dest.epochs) == (guards == "none")
+        old.kv.hub[old.decode.iid] = new.decode.on_kv_write   # its wire now ends at the new life
+        old.gate.open()
+        await task
+        st = stats(new)
+        landed = {"owner_check": 0, "epoch_base": 0, "none": 1}[guards]
+        assert st["kv_writes_applied"] == landed
+        assert st["kv_writes_not_owner"] == (guards == "owner_check")
+    finally:
+        await old.close()
+        await new.close()
