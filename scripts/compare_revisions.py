@@ -1,10 +1,10 @@
 """Run benchmarks on two revisions side by side, in one run, alternating, and write the
 ratios (JSON + PNG). Used to show that a change that should not change speed did not.
 
-    python scripts/compare_revisions.py --base 7b410f4 [--rounds 2] [--out docs/bench]
+    python scripts/compare_revisions.py --base 7b410f4 [--head HEAD] [--rounds 2] [--out docs/bench]
 
-Each revision runs from its own git worktree (the base in a temporary one; the other is
-this checkout) with this checkout's venv. Benchmarks: the engine benchmark on the tiny
+Each revision runs from its own temporary git worktree (committed code only: edits in
+progress in this checkout never leak into a measurement) with this checkout's venv. Benchmarks: the engine benchmark on the tiny
 model (float32, one thread) and the mesh benchmark (`pdmesh bench --spawn`, one prefill,
 one decode, one thread each). Rounds alternate base/head so drift hits both alike; each
 metric is the median over rounds.
@@ -62,27 +62,30 @@ def run(rev_dir: Path, name: str, tmp: Path) -> dict[str, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base", required=True, help="the revision to compare against")
+    ap.add_argument("--head", default="HEAD", help="the revision measured (%(default)s)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--benches", default="engine,mesh")
     ap.add_argument("--out", default=str(ROOT / "bench_out"))
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="pdmesh-compare-"))
-    base = tmp / "base"
-    subprocess.run(["git", "worktree", "add", "-f", "--detach", str(base), a.base], cwd=ROOT,
-                   check=True, capture_output=True)
+    base, head = tmp / "base", tmp / "head"
+    for path, rev in ((base, a.base), (head, a.head)):
+        subprocess.run(["git", "worktree", "add", "-f", "--detach", str(path), rev], cwd=ROOT,
+                       check=True, capture_output=True)
     results: dict[str, dict[str, list[float]]] = {"base": {}, "head": {}}
     try:
         for i in range(a.rounds):
             for name in a.benches.split(","):
-                for label, d in (("base", base), ("head", ROOT)) if i % 2 == 0 else \
-                        (("head", ROOT), ("base", base)):
+                for label, d in (("base", base), ("head", head)) if i % 2 == 0 else \
+                        (("head", head), ("base", base)):
                     for k, v in run(d, name, tmp).items():
                         results[label].setdefault(k, []).append(v)
     finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT,
-                       capture_output=True)
-    head_rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                              capture_output=True, text=True).stdout.strip()
+        head_rev = subprocess.run(["git", "rev-parse", "--short", a.head], cwd=ROOT,
+                                  capture_output=True, text=True).stdout.strip()
+        for path in (base, head):
+            subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=ROOT,
+                           capture_output=True)
     rows = {k: {"base": statistics.median(results["base"][k]),
                 "head": statistics.median(v),
                 "head_over_base": statistics.median(v) / statistics.median(results["base"][k])}
