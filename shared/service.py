@@ -28,6 +28,7 @@ from nats.micro.request import Request
 from shared import subjects
 from shared.contracts.common import Codec, ContractError, ErrorCode, ErrorReply, encode
 from shared.contracts.messages import Health, Heartbeat
+from shared.natsconn import NatsAuth, connect_kwargs
 
 log = logging.getLogger("pdmesh")
 
@@ -59,10 +60,14 @@ _HTTP_CODE = {ErrorCode.BAD_MESSAGE: "400", ErrorCode.INVALID_REQUEST: "400",
 
 class ServiceRuntime:
     def __init__(self, service: str, instance_id: str, nats_url: str,
-                 stats: Callable[[], dict[str, Any]] | None = None, description: str = ""):
+                 stats: Callable[[], dict[str, Any]] | None = None, description: str = "",
+                 auth: NatsAuth | None = None):
+        """nats_url: one server or several, comma-separated. auth: the service's NATS
+        identity and TLS (its settings' `nats`); None: from PDMESH_NATS_* in the env."""
         self.service = service
         self.instance_id = instance_id
         self.nats_url = nats_url
+        self.auth = auth
         self.stats = stats or (lambda: {})
         self.description = description or f"pdmesh {service}"
         self.nc: nats.NATS | None = None
@@ -73,11 +78,13 @@ class ServiceRuntime:
 
     # ---- lifecycle --------------------------------------------------------------------
     async def start(self) -> None:
-        self.nc = await connect(self.nats_url, name=f"{self.service}:{self.instance_id}")
+        self.nc = await connect(self.nats_url, name=f"{self.service}:{self.instance_id}",
+                                auth=self.auth)
         self.micro = await add_service(
             self.nc, name=self.service, version=VERSION, description=self.description,
             metadata={"instance_id": self.instance_id},
-            stats_handler=lambda _ep: self.stats() | {"bad_messages": self.bad_messages})
+            stats_handler=lambda _ep: self.stats() | {"bad_messages": self.bad_messages,
+                                                      "nats_server": self.nats_server()})
         await self.endpoint("health", subjects.health(self.service, self.instance_id),
                             self._health, None)
         loop = asyncio.get_running_loop()
@@ -86,6 +93,11 @@ class ServiceRuntime:
                 loop.add_signal_handler(sig, self.stopping.set)
             except (NotImplementedError, RuntimeError):  # not the main thread
                 pass
+
+    def nats_server(self) -> str:
+        """host:port of the nats-server this instance is connected to now ("" if none)."""
+        u = self.nc.connected_url if self.nc is not None and self.nc.is_connected else None
+        return f"{u.hostname}:{u.port}" if u is not None else ""
 
     async def _health(self, _req) -> bytes:
         return encode(Health(service=self.service, instance_id=self.instance_id,
@@ -176,14 +188,18 @@ def _log_task_error(t: asyncio.Task) -> None:
         log.error("background task failed", exc_info=t.exception())
 
 
-async def connect(url: str, name: str, wait_s: float = 60.0) -> nats.NATS:
-    """Connect, retrying until the server is up (services start in any order), and keep
-    reconnecting forever afterwards (a nats-server restart is survived)."""
+async def connect(url: str, name: str, wait_s: float = 60.0,
+                  auth: NatsAuth | None = None) -> nats.NATS:
+    """Connect, retrying until a server is up (services start in any order), and keep
+    reconnecting forever afterwards (a nats-server restart is survived). url: one server
+    or a comma-separated list (a cluster: the client fails over to the others). auth:
+    user/password and TLS CA (None: PDMESH_NATS_* from the environment)."""
+    opts = connect_kwargs(url, auth if auth is not None else NatsAuth.from_env())
     deadline = time.monotonic() + wait_s
     while True:
         try:
             return await nats.connect(
-                url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                **opts, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
                 error_cb=_on_nats_error, disconnected_cb=_on_disconnect,
                 reconnected_cb=_on_reconnect,
                 connect_timeout=2, ping_interval=5, max_outstanding_pings=3,

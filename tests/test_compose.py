@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from pdmesh.cluster import CONFIG_CLASSES, config_class, nats_server_binary
+from pdmesh.natsconf import COMPOSE_NODES, compose_conf
 from shared.settings import env_name, field_names, flat_values, load
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +33,7 @@ def compose() -> dict:
 
 
 def test_compose_runs_nats_and_every_service(compose):
-    assert set(compose["services"]) == {"nats", *SERVICES}
+    assert set(compose["services"]) == {*COMPOSE_NODES, *SERVICES}
 
 
 @pytest.mark.parametrize("service", SERVICES)
@@ -73,7 +74,7 @@ def test_scaling_needs_no_fixed_names_or_ports(compose):
         assert "container_name" not in svc, name
         assert "PDMESH_INSTANCE_ID" not in (svc.get("environment") or {}), name
         if name != "gateway":
-            assert not svc.get("ports"), f"{name} publishes a host port: --scale would clash"
+            assert not svc.get("ports"), f"{name} publishes a host port"
     assert any(p.get("target") == 8000 or "8000" in str(p)
                for p in compose["services"]["gateway"]["ports"])
 
@@ -85,21 +86,33 @@ def test_dependencies_wait_for_health(compose):
             assert dep in services, f"{name} depends on unknown {dep}"
             assert cond["condition"] == "service_healthy", (name, dep)
             assert "healthcheck" in services[dep], dep
-    assert "nats" in services["kvstore"]["depends_on"]
+    for name in SERVICES:     # every service waits for the whole NATS cluster
+        if name != "gateway":
+            assert set(COMPOSE_NODES) <= set(services[name]["depends_on"]), name
 
 
-def test_nats_config_is_valid_with_jetstream_and_8mb_payload(compose):
-    nats = compose["services"]["nats"]
-    assert nats["image"].startswith("nats:")
-    assert "-js" in nats["command"]
+def test_nats_is_a_three_node_jetstream_cluster_with_8mb_payload(compose):
     conf = ROOT / "deploy" / "nats.conf"
-    assert any(str(conf) in v for v in nats["volumes"])
+    assert conf.read_text() == compose_conf(), "deploy/nats.conf: regenerate from compose_conf()"
     text = conf.read_text()
     assert re.search(r"^max_payload:\s*8MB", text, re.M)
     assert re.search(r"^jetstream\s*\{", text, re.M)
-    r = subprocess.run([nats_server_binary(), "-c", str(conf), "-t"], capture_output=True,
-                       text=True, timeout=30)
-    assert r.returncode == 0, r.stderr + r.stdout
+    for node in COMPOSE_NODES:
+        nats = compose["services"][node]
+        assert nats["image"].startswith("nats:")
+        assert nats["environment"]["SERVER_NAME"] == node
+        assert any(str(conf) in v for v in nats["volumes"])
+        assert f"nats-route://{node}:6222" in text
+        r = subprocess.run([nats_server_binary(), "-c", str(conf), "-t"], capture_output=True,
+                           text=True, timeout=30, env=os.environ | {"SERVER_NAME": node})
+        assert r.returncode == 0, r.stderr + r.stdout
+    assert len({str(compose["services"][n]["volumes"]) for n in COMPOSE_NODES}) == 3  # own stores
+
+
+def test_every_service_is_given_every_nats_server(compose):
+    for name in SERVICES:
+        url = compose["services"][name]["environment"]["PDMESH_NATS_URL"]
+        assert url.split(",") == [f"nats://{n}:4222" for n in COMPOSE_NODES], name
 
 
 def test_image_holds_the_model_compose_serves(compose):
