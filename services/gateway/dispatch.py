@@ -220,11 +220,16 @@ class DecodeClient:
             tried.add(inst)
             queue: asyncio.Queue = asyncio.Queue()
             self.queues[rid] = queue
-            ack = await self._submit(inst, rid, sub)
+            self.registry.sent(inst)       # now: a burst of submissions spreads out
+            try:
+                ack = await self._submit(inst, rid, sub)
+            except BaseException:
+                self.registry.sent(inst, -1)
+                raise
             if isinstance(ack, str):
+                self.registry.sent(inst, -1)
                 reasons.append(ack)
                 continue
-            self.registry.sent(inst)
             self.routed_warm += cached.get(inst, 0) > 0
             self.affinity.record(sub.prompt_ids, inst)
             return Dispatch(rid, inst, ack.path, queue, sub, progress_at=self.clock())

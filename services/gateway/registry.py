@@ -41,10 +41,11 @@ class Registry:
         for iid in [i for i, inst in self.instances.items() if now - inst.seen > FORGET_AFTER_S]:
             del self.instances[iid]
 
-    def sent(self, instance_id: str) -> None:
+    def sent(self, instance_id: str, n: int = 1) -> None:
+        """n requests went to the instance (n = -1: one it refused after all)."""
         inst = self.instances.get(instance_id)
         if inst is not None:
-            inst.sent_since_hb += 1
+            inst.sent_since_hb = max(0, inst.sent_since_hb + n)
 
     # ---- questions -------------------------------------------------------------------
     def is_alive(self, instance_id: str, now: float) -> bool:
