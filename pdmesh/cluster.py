@@ -102,6 +102,7 @@ class Cluster:
         self.settings: dict[str, dict[str, Any]] = {
             "gateway": {"model": self.model},
             "decode": {"model": self.model, "dtype": dtype, "deterministic": deterministic,
+                       "require_prefill": prefill > 0,   # ready means PD is usable too
                        "mode": mode, "threads": threads},
             "prefill": {"model": self.model, "dtype": dtype, "deterministic": deterministic,
                         "threads": threads},
@@ -313,7 +314,8 @@ class Cluster:
         await self.nats.restart(self.nats_names(), self._emit, self.log_dir, down_s, wipe_store)
 
     async def _wait_ready(self, timeout_s: float) -> None:
-        """Until GET /health is 200 and $SRV.PING finds every instance we started."""
+        """Until GET /ready is 200 (every path usable) and $SRV.PING finds every instance
+        we started."""
         import aiohttp
 
         from shared import micro
@@ -337,7 +339,7 @@ class Cluster:
         missing = []
         if any(p.service == "gateway" for p in want):   # the only one with HTTP
             try:
-                async with http.get(self.url + "/health") as r:
+                async with http.get(self.url + "/ready") as r:
                     ok = r.status == 200
             except Exception:  # noqa: BLE001 - not up yet
                 ok = False

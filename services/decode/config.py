@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.engine.config import EngineConfig
+from shared.kv.writeback import WRITE_POLICIES
 
 from .faults import DecodeFaults
 from .monitor import MonitorConfig
@@ -39,6 +40,10 @@ class DecodeConfig:
     prefill_timeout_s: float = field(default=30.0, metadata={
         "help": "awaiting KV longer than this: prefill locally instead"})
     prefill_dead_after_s: float = 3.0
+    require_prefill: bool = field(default=False, metadata={
+        "help": "ready (heartbeat, the gateway's /ready) only while a prefill worker is "
+                "alive: set when the mesh has prefill workers, so PD is usable before "
+                "the first request (pdmesh up sets it)"})
     gateway_dead_after_s: float = field(default=5.0, metadata={
         "help": "a gateway silent this long is gone: its requests are aborted (orphans)"})
     max_queued: int = field(default=64, metadata={
@@ -54,6 +59,10 @@ class DecodeConfig:
         "help": "PD: load a prompt prefix kvstore holds (L2/L3) here, layer by layer, so "
                 "prefill sends only the rest"})
     kvstore_timeout_s: float = 2.0
+    write_policy: str = field(default="write_through", metadata={
+        "help": "a prompt decode computed itself (colocated) goes to kvstore, so the next "
+                "request with its prefix hits on either path: write_through | "
+                "write_through_selective | none"})
     # anomaly monitor (invariant 5): only when speculating (draft_model set)
     monitor: bool = field(default=True, metadata={
         "help": "abort a request whose speculative acceptance looks like corrupted state; "
@@ -75,6 +84,9 @@ class DecodeConfig:
             raise ValueError(f"mode must be auto, pd or colocated, got {self.mode!r}")
         if not self.engine.model:
             raise ValueError("--model (PDMESH_MODEL) is required")
+        if self.write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, "
+                             f"got {self.write_policy!r}")
         if self.reclaim_lease_s <= 0 or self.reclaim_timeout_s <= 0:
             raise ValueError("reclaim_lease_s and reclaim_timeout_s must be > 0")
         self.monitor_config()          # raises on bad thresholds

@@ -41,6 +41,7 @@ from shared.engine_loop import run_engine_loop
 from shared.faults import require_allowed
 from shared.jobqueue import ensure_stream
 from shared.kv.nats_transport import NatsKvTransport
+from shared.kv.writeback import WriteBack
 from shared.kvstore_client import KvstoreClient
 from shared.service import ServiceError, ServiceRuntime, new_instance_id
 
@@ -83,7 +84,9 @@ class DecodeService:
         self.injected = inject.install(self, cfg.faults)   # TEST ONLY wrappers, if any
         self.reclaimer = Reclaimer(self.iid, self.table, self.slots, None, self.rt.spawn,
                                    cfg.reclaim_timeout_s, self._forget)
-        self.stream = TokenStream(self.iid, self.table, None, self.reclaimer, self.monitor)
+        self.stream = TokenStream(self.iid, self.table, None, self.reclaimer, self.monitor,
+                                  self.write_back)
+        self.writeback = None
         if peers is not None:
             self.connect(peers)
 
@@ -104,6 +107,8 @@ class DecodeService:
         await ensure_stream(js)
         self.connect(NatsDecodePeers(nc, js))
         self.kvc = KvstoreClient(nc, self.cfg.kvstore_timeout_s)
+        if self.cfg.kvstore:
+            self.writeback = WriteBack(self.cfg.write_policy, self.kvc)
         ep = self.rt.endpoint
         await ep("submit", subjects.decode_submit(self.iid), self.on_submit, Codec(DecodeSubmit))
         await ep("abort", subjects.decode_abort(self.iid), self.on_abort, Codec(Abort))
@@ -147,8 +152,23 @@ class DecodeService:
                          blocks_free=st["blocks_free"], blocks_used=st["blocks_used"],
                          blocks_quarantined=st["blocks_quarantined"],
                          accepting=self.accepting, max_model_len=self.engine.max_model_len,
-                         capacity=self.engine.cfg.max_num_seqs,
+                         capacity=self.engine.cfg.max_num_seqs, ready=self.ready(),
                          ts=time.time())
+
+    def write_back(self, rid: str) -> None:
+        """A prompt computed here goes to kvstore too: its prefix then hits on either path
+        (prefill loads it from there)."""
+        if self.writeback is not None:
+            self.writeback(self.engine, *self.engine.computed_prompt_blocks(rid))
+
+    def ready(self) -> bool:
+        """Every path usable: accepting, and a live prefill worker if PD is expected."""
+        return self.accepting and (not self.cfg.require_prefill or self.cfg.mode == "colocated"
+                                   or self.prefill_alive())
+
+    def prefill_alive(self) -> bool:
+        return any(time.monotonic() - t < self.cfg.prefill_dead_after_s
+                   for t in self.prefill_seen.values())
 
     def stats(self) -> dict:
         kvc = self.kvc.counters if self.kvc is not None else {}
@@ -232,10 +252,9 @@ class DecodeService:
             return sub.force_path
         if self.cfg.mode != "auto":
             return Path(self.cfg.mode)
-        alive = any(time.monotonic() - t < self.cfg.prefill_dead_after_s
-                    for t in self.prefill_seen.values())
         uncached = len(sub.prompt_ids) - self.engine.cached_prefix_tokens(sub.prompt_ids)
-        return Path.PD if alive and uncached >= self.cfg.min_pd_prompt_tokens else Path.COLOCATED
+        pd = self.prefill_alive() and uncached >= self.cfg.min_pd_prompt_tokens
+        return Path.PD if pd else Path.COLOCATED
 
     async def on_claim(self, c: PrefillClaim) -> bytes:
         granted, why = self.table.claim(c.request_id, c.attempt, c.prefill_instance,

@@ -23,7 +23,10 @@ log = logging.getLogger("pdmesh.decode")
 
 class TokenStream:
     def __init__(self, iid: str, table: RequestTable, peers: DecodePeers,
-                 reclaimer: Reclaimer, monitor: AnomalyMonitor | None):
+                 reclaimer: Reclaimer, monitor: AnomalyMonitor | None,
+                 prompt_done=lambda rid: None):
+        """prompt_done(rid): a prompt decode computed itself (colocated) is complete."""
+        self.prompt_done = prompt_done
         self.iid = iid
         self.table = table
         self.peers = peers
@@ -52,6 +55,8 @@ class TokenStream:
                            cached_tokens=cached_tokens(o, r),
                            spec_steps=o.spec_steps, spec_proposed=o.spec_proposed,
                            spec_accepted=o.spec_accepted)
+        if r.chunks == 0 and r.path is Path.COLOCATED:
+            self.prompt_done(o.request_id)
         r.chunks += 1
         if o.finished:
             self.table.finish(o.request_id)

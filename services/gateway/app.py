@@ -131,6 +131,7 @@ def create_app(cfg: GatewayConfig, spec: ModelSpec | None = None) -> web.Applica
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model:.+}", model)
     app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     add_routes(app, gw)      # /v1/responses, /v1/messages, /tokenize, /detokenize (apis/)
 
@@ -200,6 +201,24 @@ async def health(request: web.Request) -> web.Response:
                                 ("no decode instance alive", not alive)) if bad]
     body = {"status": "unavailable" if reasons else "ok", "decode_instances": alive,
             "nats_connected": connected, "draining": gw.draining, "in_flight": gw.in_flight}
+    if reasons:
+        body["reason"] = "; ".join(reasons)
+    return web.json_response(body, status=503 if reasons else 200)
+
+
+async def ready(request: web.Request) -> web.Response:
+    """Readiness (distinct from /health, liveness): every path is usable now. 200 once
+    NATS is connected and every live decode instance reports itself ready (a prefill
+    worker heard from, when the mesh has some); `pdmesh up` waits for it."""
+    gw = request.app[GATEWAY]
+    alive = [i for i in gw.registry.alive(time.monotonic()) if i.hb.accepting]
+    not_ready = sorted(i.hb.instance_id for i in alive if not i.hb.ready)
+    reasons = [r for r, bad in (("draining", gw.draining),
+                                ("not connected to NATS", not gw.nats_connected()),
+                                ("no decode instance alive", not alive),
+                                (f"decode not ready (no prefill worker heard): "
+                                 f"{', '.join(not_ready)}", not_ready)) if bad]
+    body = {"status": "not_ready" if reasons else "ready", "decode_instances": len(alive)}
     if reasons:
         body["reason"] = "; ".join(reasons)
     return web.json_response(body, status=503 if reasons else 200)

@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shared.engine.config import EngineConfig
+from shared.kv.writeback import WRITE_POLICIES
 
 from .faults import PrefillFaults
-
-WRITE_POLICIES = ("write_through", "write_through_selective", "none")
 
 
 def _engine() -> EngineConfig:

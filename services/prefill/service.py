@@ -38,6 +38,7 @@ from shared.engine_loop import run_engine_loop
 from shared.faults import require_allowed
 from shared.jobqueue import pull_subscription
 from shared.kv.nats_transport import NatsKvTransport
+from shared.kv.writeback import WriteBack
 from shared.service import ServiceRuntime, new_instance_id
 
 from . import inject
@@ -46,7 +47,6 @@ from .ledger import WriteLedger
 from .peers import NatsPrefillPeers, PrefillPeers
 from .reclaims import ReclaimResponder
 from .sender import KvSender, Reclaimed
-from .writeback import WriteBack
 
 log = logging.getLogger("pdmesh.prefill")
 JOB = Codec(PrefillJob)
@@ -207,7 +207,9 @@ class PrefillService:
             self.counters["kv_bytes"] += nbytes
             self.counters["kv_transfer_s"] += transfer_s
             self.counters["kv_max_write_bytes"] = self.sender.max_write_bytes
-            self.write_back(self.engine, local_id, job.prompt_ids, tier)
+            keys = self.engine.prefix_keys(job.prompt_ids)[tier:]
+            self.write_back(self.engine, self.engine.kept_blocks(local_id)[tier:tier + len(keys)],
+                            keys)
             lp = out.logprobs[0] if out.logprobs else (None, None, None)
             return PrefillDone(request_id=job.request_id, status=PrefillStatus.OK,
                                prefill_instance=self.iid, first_token=out.new_token_ids[0],

@@ -173,6 +173,8 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     blocks_quarantined: int = 0       # decode: aborted requests' blocks awaiting reclaim
     accepting: bool = True            # False while draining: send no new work
     capacity: int = 0                 # decode: requests it batches at once (max_num_seqs)
+    ready: bool = True                # decode: every path it is set up for is usable now
+    #                                   (require_prefill: a prefill worker heartbeats)
     max_model_len: int = 0
     ts: float = 0.0
 

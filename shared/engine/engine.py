@@ -284,6 +284,16 @@ class LLMEngine:
         with self.lock:
             self.pool.free(blocks)
 
+    def computed_prompt_blocks(self, request_id: str) -> tuple[list[int], list[bytes]]:
+        """A live request's whole prompt blocks whose KV is computed, and their prefix
+        keys (for a write-back to a lower tier); empty while the prompt is not done."""
+        with self.lock:
+            req = self.requests.get(request_id)
+            if req is None or req.seq.num_computed < len(req.seq.prompt_ids):
+                return [], []
+            keys = req.seq.keys
+            return list(req.seq.block_table[:len(keys)]), list(keys)
+
     # ---- prefill-only requests -----------------------------------------------------
     def kept_blocks(self, request_id: str) -> list[int]:
         """Blocks of a finished prefill-only request (valid until release())."""

@@ -1,6 +1,8 @@
-"""Which of a finished prefill's new prompt blocks go to kvstore (HiCache L2/L3).
+"""Which of a computed prompt's whole blocks go to kvstore (HiCache L2/L3): prefill's
+after the KV went to decode, and decode's for a prompt it computed itself (colocated), so
+a prefix computed on either path is a hit for the next request on either path.
 
-write_through sends every whole block kvstore lacks, right after the KV went to decode;
+write_through sends every whole block kvstore lacks;
 write_through_selective sends a block only the second time its prefix is seen (one-off
 prompts never cost host memory), like SGLang's selective policy; none sends nothing. The
 copy is taken now, the send runs in the background: a token never waits for it."""
@@ -9,6 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 SEEN_KEYS = 100_000     # prefix keys remembered for write_through_selective
+WRITE_POLICIES = ("write_through", "write_through_selective", "none")
 
 
 class WriteBack:
@@ -17,12 +20,11 @@ class WriteBack:
         self.kvc = kvc
         self.seen: OrderedDict[bytes, None] = OrderedDict()
 
-    def __call__(self, engine, local_id: str, prompt_ids: list[int], tier: int) -> None:
-        """The prompt's blocks past the first `tier` (kvstore holds those)."""
-        if self.policy == "none":
+    def __call__(self, engine, blocks: list[int], keys: list[bytes]) -> None:
+        """blocks[i] holds the KV whose prefix key is keys[i] (the caller still holds
+        them: they are copied now)."""
+        if self.policy == "none" or not keys:
             return
-        keys = engine.prefix_keys(prompt_ids)[tier:]
-        blocks = engine.kept_blocks(local_id)[tier:tier + len(keys)]
         if self.policy == "write_through_selective":
             n = self._seen_before(keys)
             keys, blocks = keys[:n], blocks[:n]
