@@ -164,13 +164,17 @@ async def kill_decode(c, load):
 
 async def kill_prefill(c, load):
     deadline = time.monotonic() + 60
-    while True:        # proven in flight: prefill-0 has KV writes on the wire right now
-        st = (await micro.service_stats(c.nats_url, "prefill", 0.2))
-        mine = [i.stats for i in st if i.instance_id == "prefill_0"]
-        if mine and mine[0].get("kv_writes_in_flight", 0) > 0:
-            break
-        assert time.monotonic() < deadline, "prefill-0 never had a write in flight"
-        await asyncio.sleep(0.01)
+    nc = await micro.connect_once(c.nats_url)
+    try:
+        while True:        # proven in flight: prefill-0 has KV writes on the wire right now
+            mine = [i.stats for i in await micro.stats(nc, "prefill", 0.2)
+                    if i.instance_id == "prefill_0"]
+            if mine and mine[0].get("kv_writes_in_flight", 0) > 0:
+                break
+            assert time.monotonic() < deadline, "prefill-0 never had a write in flight"
+            await asyncio.sleep(0.01)
+    finally:
+        await nc.close()
     log("prefill-0 has KV writes in flight: SIGKILL")
     c.kill("prefill-0")
 

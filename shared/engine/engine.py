@@ -39,6 +39,7 @@ from .batch import build_batch
 from .block_pool import BlockPool
 from .config import EngineConfig
 from .layer_load import LayerLoad, LoadFailed
+from .limits import check_request
 from .loader import load_config, load_weights
 from .model import Model, kv_block_bytes, kv_pool
 from .output import OutputProcessor, RequestOutput
@@ -142,22 +143,8 @@ class LLMEngine:
     # ---- requests -----------------------------------------------------------------
     def check_request(self, prompt_ids: list[int], params) -> None:
         """ValueError with the numbers when a request can never be served."""
-        params.check(self.model_cfg.vocab_size)
-        if not prompt_ids:
-            raise ValueError("prompt is empty")
-        V = self.model_cfg.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < V]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {V}): {bad[:5]}")
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds the context window of {self.max_model_len} tokens")
-        if self.pool.blocks_for(total) > self.pool.num_blocks:
-            raise ValueError(
-                f"request needs {self.pool.blocks_for(total)} KV blocks; the pool has "
-                f"{self.pool.num_blocks}")
+        check_request(prompt_ids, params, self.model_cfg.vocab_size, self.max_model_len,
+                      self.pool)
 
     def _new_seq(self, request_id, prompt_ids, params, constraint=None, replay: int = 0
                  ) -> Sequence:
