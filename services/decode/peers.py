@@ -9,6 +9,7 @@ from shared import subjects
 from shared.contracts.common import Codec, encode
 from shared.contracts.messages import AnomalyEvent, PrefillJob, TokenChunk
 from shared.contracts.reclaim import Reclaim, ReclaimAck
+from shared.jobqueue import publish_job
 from shared.service import decode_reply
 
 RECLAIM_ACK = Codec(ReclaimAck)
@@ -33,7 +34,9 @@ class NatsDecodePeers:
         await self.nc.publish(subject, encode(chunk))
 
     async def queue_job(self, job: PrefillJob) -> None:
-        await self.js.publish(subjects.prefill_jobs(), encode(job), timeout=5)
+        """On the JetStream work queue (re-created if its store was lost; one copy per
+        request and attempt however many tries reached it)."""
+        await publish_job(self.js, encode(job), msg_id=f"{job.request_id}:{job.dest.epochs[:1]}")
 
     async def reclaim(self, instance: str, msg: Reclaim, timeout: float) -> ReclaimAck:
         reply = await self.nc.request(subjects.prefill_reclaim(instance), encode(msg),
