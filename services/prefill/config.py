@@ -6,8 +6,10 @@ from dataclasses import dataclass, field
 
 from shared.engine.config import EngineConfig
 from shared.kv.writeback import WRITE_POLICIES
+from shared.natsconn import NatsAuth
 
 from .faults import PrefillFaults
+from .layersplit.config import LayerSplitConfig
 
 
 def _engine() -> EngineConfig:
@@ -20,6 +22,7 @@ class PrefillConfig:
     """pdmesh prefill: prompt forward passes, first token, KV writes to decode."""
     engine: EngineConfig = field(default_factory=_engine, metadata={"prefix": ""})
     nats_url: str = "nats://127.0.0.1:4222"
+    nats: NatsAuth = field(default_factory=NatsAuth, metadata={"prefix": "nats_"})   # identity, TLS
     instance_id: str = field(default="", metadata={"help": "default: generated"})
     kv_window: int = field(default=8, metadata={"help": "KV writes in flight per job (credits)"})
     kv_ack_timeout_s: float = 10.0
@@ -36,6 +39,8 @@ class PrefillConfig:
         "help": "which new prompt blocks go to kvstore: write_through (all, right after the "
                 "KV went to decode) | write_through_selective (a prefix seen before) | none"})
     kvstore_timeout_s: float = 2.0
+    group: LayerSplitConfig = field(default_factory=LayerSplitConfig,   # LayerSplit: --group-*
+                                    metadata={"prefix": "group_"})
     faults: PrefillFaults = field(default_factory=PrefillFaults, metadata={"prefix": "fault_"})
 
     def __post_init__(self):

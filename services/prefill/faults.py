@@ -16,3 +16,5 @@ class PrefillFaults:
         "help": "TEST ONLY: sleep this long between computing a job and sending its KV"})
     kv_write_delay_s: float = field(default=0.0, metadata={
         "help": "TEST ONLY: each KV write waits a random 0..this long once issued (slow wire)"})
+    group_delay_s: float = field(default=0.0, metadata={
+        "help": "TEST ONLY: each layer fetched from a LayerSplit peer lands this much late"})

@@ -41,7 +41,7 @@ from shared.kv.nats_transport import NatsKvTransport
 from shared.kv.writeback import WriteBack
 from shared.service import ServiceRuntime, new_instance_id
 
-from . import inject
+from . import inject, layersplit
 from .config import PrefillConfig
 from .ledger import WriteLedger
 from .peers import NatsPrefillPeers, PrefillPeers
@@ -62,7 +62,8 @@ class PrefillService:
         require_allowed(cfg.faults)
         self.engine = engine or LLMEngine(inject.engine_config(cfg.engine, cfg.faults))
         self.fingerprint = self.engine.tokenizer.fingerprint
-        self.rt = ServiceRuntime("prefill", self.iid, cfg.nats_url, stats=self.stats)
+        self.rt = ServiceRuntime("prefill", self.iid, cfg.nats_url, stats=self.stats,
+                                 auth=cfg.nats)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self.pending: dict[str, asyncio.Future] = {}
         self.active = 0
@@ -75,6 +76,7 @@ class PrefillService:
                          "jobs_refused": 0, "jobs_reclaimed": 0, "jobs_redelivered": 0}
         self.ledger = WriteLedger()
         self.peers, self.kvc, self.reclaims = peers, None, None
+        self.group = layersplit.build(cfg, self.engine)     # None unless --group-size
         if kv_transport is not None:
             self.connect(peers, kv_transport, kvc)
 
@@ -101,6 +103,8 @@ class PrefillService:
         self.rt.spawn(self.fetch_loop())
         self.rt.spawn(self.engine_loop())
         self.rt.spawn(self.reclaims.reap())
+        if self.group is not None:
+            self.group.start()
         log.info("prefill %s ready (model %s)", self.iid, self.cfg.model)
 
     async def serve(self) -> None:
@@ -131,7 +135,8 @@ class PrefillService:
         answered = self.reclaims.answered if self.reclaims is not None else 0
         return (self.engine.stats() | {"jobs_active": self.active, "kv_window": self.cfg.kv_window}
                 | self.counters | {"reclaims_answered": answered} | self.ledger.stats() | kvc
-                | {"last_load": self.engine.last_load})
+                | {"last_load": self.engine.last_load}
+                | (self.group.stats() if self.group is not None else {}))
 
     # ---- jobs -------------------------------------------------------------------------
     async def fetch_loop(self) -> None:
@@ -207,9 +212,11 @@ class PrefillService:
             self.counters["kv_bytes"] += nbytes
             self.counters["kv_transfer_s"] += transfer_s
             self.counters["kv_max_write_bytes"] = self.sender.max_write_bytes
-            keys = self.engine.prefix_keys(job.prompt_ids)[tier:]
+            keys = self.engine.prefix_keys(job.prompt_ids, job.cache_salt)[tier:]
             self.write_back(self.engine, self.engine.kept_blocks(local_id)[tier:tier + len(keys)],
                             keys)
+            if self.group is not None:   # the group lacks some of them: LayerSplit
+                self.group.insert(self.engine, *self.engine.computed_prompt_blocks(local_id))
             lp = out.logprobs[0] if out.logprobs else (None, None, None)
             return PrefillDone(request_id=job.request_id, status=PrefillStatus.OK,
                                prefill_instance=self.iid, first_token=out.new_token_ids[0],
@@ -261,16 +268,17 @@ class PrefillService:
 
     async def compute(self, local_id: str, job: PrefillJob) -> tuple[RequestOutput, int]:
         """The first token, and how many leading prompt blocks kvstore already holds."""
-        tier = 0
-        if self.cfg.kvstore and self.kvc is not None:
-            tier = await self.kvc.lookup(self.engine.prefix_keys(job.prompt_ids))
+        kvc = self.kvc if self.cfg.kvstore else None
+        tier, loader = await layersplit.lookup(
+            self.group, kvc, self.engine.prefix_keys(job.prompt_ids, job.cache_salt))
         fut = asyncio.get_running_loop().create_future()
         self.pending[local_id] = fut
         load = self.engine.add_request(local_id, job.prompt_ids, job.params, prefill_only=True,
-                                       constraint=job.constraint, tier_blocks=tier,
+                                       constraint=job.constraint, cache_salt=job.cache_salt,
+                                       tier_blocks=tier,
                                        replay=job.resume_from)
         if load is not None:
-            self.rt.spawn(self.kvc.load(self.engine, load))
+            self.rt.spawn(loader.load(self.engine, load))
         self.wake.set()
         return await fut, tier
 
