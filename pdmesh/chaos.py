@@ -9,11 +9,16 @@ cancelled at once), and one prefill SIGKILLed mid-run and restarted. Every reque
 completes must equal its reference (the engine alone) token for token; afterwards decode
 must be quiescent with no block used or quarantined, and every service healthy.
 
-    run(ChaosConfig(model=..., requests=1000)) -> dict of the numbers
-    python scripts/chaos.py --requests 10000 [--no-reclaim-ack] [--no-epoch-fence]
+    run(ChaosConfig(model=..., requests=1000)) -> dict of the numbers (chaos_report.py)
+    python scripts/chaos.py --requests 30000 [--no-reclaim-ack] [--no-epoch-fence] [--guards all]
 
-The two guards can be switched off (test-only config switches) to show the run detects
-the corruption they prevent.
+Invariant 3 has two independent guards; each can be switched off (TEST ONLY decode
+settings, allowed by PDMESH_ALLOW_FAULTS=1, which the mesh here is given):
+    reclaim_ack=False  every claim granted, aborted blocks freed at once
+    epoch_fence=False  every KV write lands where it points
+GUARDS names the four combinations: "both", "fence_only", "ack_only", "none". With one
+guard the run must still give no mismatch (and show the hazard the other guard covers was
+hit: kv_writes_fenced, kv_writes_quarantined); with none it must show mismatches.
 """
 from __future__ import annotations
 
@@ -21,9 +26,16 @@ import asyncio
 import json
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 
 from shared import micro
+
+from .chaos_mesh import DET, SHAPES, cluster, healthy, quiesce, wait_writing
+from .chaos_report import Tally, headline, partial, point, result
+
+__all__ = ["GUARDS", "HAZARD", "ChaosConfig", "Tally", "arun", "hazard", "headline", "run",
+           "with_guards"]
 
 PROMPTS = [
     "def fibonacci(n):", "import os\n\ndef main():", "class Stack:\n    def __init__(self):",
@@ -33,9 +45,9 @@ PROMPTS = [
     "def parse_args(argv):", "if __name__ == '__main__':", "from collections import",
     "def add(a, b):\n    return", "async def fetch(url):", "The capital of France is",
 ]
-# prefill and decode share every shape-affecting engine setting (batch-invariant logits)
-DET = dict(deterministic=True, dtype="float32", threads=1)
-SHAPES = {"max_num_batched_tokens": 128, "chunk_size": 32, "block_size": 16}
+# name -> (reclaim_ack, epoch_fence)
+GUARDS = {"both": (True, True), "fence_only": (False, True), "ack_only": (True, False),
+          "none": (False, False)}
 
 
 @dataclass
@@ -59,20 +71,34 @@ class ChaosConfig:
     lease_s: float = 3.0
     quiesce_s: float = 30.0
     seed: int = 0
+    sample_s: float = 5.0            # decode STATS sampled this often (the timeline)
+    log_every: int = 500             # progress line every this many requests sent
     log_dir: str | None = None
     echo: bool = False
 
+    @property
+    def guards(self) -> str:
+        return next(k for k, v in GUARDS.items() if v == (self.reclaim_ack, self.epoch_fence))
 
-@dataclass
-class Tally:
-    sent: int = 0
-    completed: int = 0
-    cancelled: int = 0               # cancelled by this client before completing
-    storm_requests: int = 0
-    errors: int = 0
-    mismatches: int = 0
-    error_samples: list[str] = field(default_factory=list)
-    mismatch_samples: list[dict] = field(default_factory=list)
+
+# The negative controls (tests/e2e/test_chaos_controls.py, scripts/chaos.py --hazard): a
+# short run made hazardous enough that with no guard corruption shows every time (about 1
+# completed request in 12 differs; ~150 are compared): one prefill whose KV writes wait up
+# to 0.4 s each, half the requests cancelled, the pool of the full run. No prefill is
+# killed and the lease is long, so with the ack on every reclaim is acked (none by lease).
+HAZARD = dict(requests=300, prefill=1, kill_prefill=False, storms=2, storm_size=16,
+              abort_rate=0.5, write_delay_s=0.4, lease_s=10.0, sample_s=2.0, log_every=100)
+
+
+def hazard(model: str, guards: str, **kw) -> ChaosConfig:
+    """The negative-control run with the guards named (a GUARDS key)."""
+    return with_guards(ChaosConfig(model=model, **(HAZARD | kw)), guards)
+
+
+def with_guards(cfg: ChaosConfig, guards: str) -> ChaosConfig:
+    """cfg with the guards named (a GUARDS key) and nothing else changed."""
+    ack, fence = GUARDS[guards]
+    return replace(cfg, reclaim_ack=ack, epoch_fence=fence)
 
 
 def log(msg: str) -> None:
@@ -99,34 +125,25 @@ def request_pool(model: str, cfg: ChaosConfig) -> list[tuple[list[int], dict]]:
     return pool
 
 
+_REFERENCES: dict[str, list[list[int]]] = {}     # the same pool in one process: computed once
+
+
 def references(model: str, pool) -> list[list[int]]:
     """Each pool entry's output from the engine alone, configured like the mesh's decode."""
-    from shared.contracts.sampling import SamplingParams
-    from shared.engine.config import EngineConfig
-    from shared.engine.engine import LLMEngine
+    key = json.dumps([model, pool])
+    if key not in _REFERENCES:
+        from shared.contracts.sampling import SamplingParams
+        from shared.engine.config import EngineConfig
+        from shared.engine.engine import LLMEngine
 
-    eng = LLMEngine(EngineConfig(model=model, num_blocks=512, max_num_seqs=16, **DET, **SHAPES))
-    outs = eng.generate([p for p, _ in pool], [SamplingParams(**kw) for _, kw in pool])
-    return [o["token_ids"] for o in outs]
-
-
-# ---- the mesh -----------------------------------------------------------------------------
-def cluster(cfg: ChaosConfig):
-    from pdmesh.cluster import Cluster
-    from shared.faults import ALLOW_ENV
-
-    decode = SHAPES | {"max_num_seqs": 16, "mode": "pd", "num_blocks": cfg.num_blocks,
-                       "reclaim_lease_s": cfg.lease_s, "reclaim_timeout_s": 0.5,
-                       "fault_no_reclaim_ack": not cfg.reclaim_ack,
-                       "fault_no_epoch_fence": not cfg.epoch_fence}
-    prefill = SHAPES | {"ack_wait_s": 3.0, "max_num_seqs": 8, "kv_window": cfg.kv_window,
-                        "kv_max_write_bytes": cfg.kv_max_write_bytes,
-                        "fault_kv_write_delay_s": cfg.write_delay_s}
-    return Cluster(cfg.model, prefill=cfg.prefill, decode=1, kvstore=False, **DET,
-                   overrides={"decode": decode, "prefill": prefill}, echo=cfg.echo,
-                   log_dir=cfg.log_dir, extra_env={ALLOW_ENV: "1"})   # the guard switches
+        eng = LLMEngine(EngineConfig(model=model, num_blocks=512, max_num_seqs=16, **DET,
+                                     **SHAPES))
+        outs = eng.generate([p for p, _ in pool], [SamplingParams(**kw) for _, kw in pool])
+        _REFERENCES[key] = [o["token_ids"] for o in outs]
+    return _REFERENCES[key]
 
 
+# ---- the load -----------------------------------------------------------------------------
 async def one(http, url: str, prompt: list[int], params: dict, stream: bool) -> list[int]:
     body = {"model": "tiny-target", "prompt": prompt, "return_token_ids": True,
             "stream": stream, **params}
@@ -162,44 +179,56 @@ def abort_delay(rng: random.Random) -> float:
     return rng.uniform(0.15, 0.8)
 
 
-async def load(cfg: ChaosConfig, c, pool, want) -> Tally:
-    return await _Load(cfg, c, pool, want).run()
-
-
 class _Load:
     """Requests from the pool at cfg.concurrency (a share of them cancelled by the client),
-    abort storms spread over the run, and one prefill SIGKILLed mid-transfer."""
+    abort storms spread over the run, and one prefill SIGKILLed mid-transfer; decode's
+    STATS sampled every cfg.sample_s meanwhile (the timeline)."""
 
-    def __init__(self, cfg: ChaosConfig, c, pool, want):
+    def __init__(self, cfg: ChaosConfig, c, pool, want, on_sample=None):
         self.cfg, self.c, self.pool, self.want = cfg, c, pool, want
+        self.on_sample = on_sample
         self.rng = random.Random(cfg.seed + 1)
         self.t = Tally()
         self.sem = asyncio.Semaphore(cfg.concurrency)
+        self.timeline: list[dict] = []
+        self.t0 = time.monotonic()
 
     async def run(self) -> Tally:
         import aiohttp
 
-        cfg, t = self.cfg, self.t
+        cfg = self.cfg
         storm_at = {int(cfg.requests * (k + 1) / (cfg.storms + 1)) for k in range(cfg.storms)}
         kill_at = int(cfg.requests * 0.4) if cfg.kill_prefill and cfg.prefill > 0 else -1
         conn = aiohttp.TCPConnector(limit=cfg.concurrency + cfg.storm_size + 8)
-        async with aiohttp.ClientSession(connector=conn,
-                                         timeout=aiohttp.ClientTimeout(total=120)) as http:
-            tasks = []
-            for i in range(cfg.requests):
-                if i in storm_at:
-                    tasks.append(asyncio.ensure_future(self.storm(http)))
-                if i == kill_at:
-                    tasks.append(asyncio.ensure_future(self.kill()))
-                await self.sem.acquire()          # released by the request when it ends
-                tasks.append(asyncio.ensure_future(self.paced(i, http)))
-                t.sent += 1
-                if (i + 1) % 500 == 0:
-                    log(f"{i + 1}/{cfg.requests} sent: {t.completed} completed, "
-                        f"{t.cancelled} cancelled, {t.errors} errors, "
-                        f"{t.mismatches} mismatches")
-            await asyncio.gather(*tasks)
-        return t
+        sampler = asyncio.ensure_future(self.sample_every(cfg.sample_s))
+        self.t0 = time.monotonic()
+        try:
+            async with aiohttp.ClientSession(connector=conn,
+                                             timeout=aiohttp.ClientTimeout(total=120)) as http:
+                tasks = []
+                for i in range(cfg.requests):
+                    if i in storm_at:
+                        tasks.append(asyncio.ensure_future(self.storm(http)))
+                    if i == kill_at:
+                        tasks.append(asyncio.ensure_future(self.kill()))
+                    await self.sem.acquire()          # released by the request when it ends
+                    tasks.append(asyncio.ensure_future(self.paced(i, http)))
+                    self.t.sent += 1
+                    if (i + 1) % cfg.log_every == 0:
+                        self.progress()
+                await asyncio.gather(*tasks)
+        finally:
+            sampler.cancel()
+        await self.sample()                           # the last point: load done
+        return self.t
+
+    def progress(self) -> None:
+        t, n = self.t, self.cfg.requests
+        el = time.monotonic() - self.t0
+        rate = t.sent / el if el > 0 else 0.0
+        eta = (n - t.sent) / rate if rate else 0.0
+        log(f"{t.sent}/{n} sent ({rate:.1f}/s, ETA {eta / 60:.1f} min): {t.completed} "
+            f"completed, {t.cancelled} cancelled, {t.errors} errors, {t.mismatches} mismatches")
 
     async def request(self, i: int, http, cancel_after: float | None) -> None:
         t = self.t
@@ -249,136 +278,51 @@ class _Load:
         await c.arestart(name)
         log(f"{name} restarted")
 
-
-async def wait_writing(nats_url: str, instance_id: str, within_s: float) -> int:
-    """Until the prefill instance has KV writes in flight (or within_s passed); how many."""
-    import nats
-
-    nc = await nats.connect(nats_url)
-    try:
-        deadline = time.monotonic() + within_s
+    async def sample_every(self, period_s: float) -> None:
         while True:
-            for i in await micro.stats(nc, "prefill", wait_s=0.05):
-                n = i.stats.get("kv_writes_in_flight", 0)
-                if i.instance_id == instance_id and n > 0:
-                    return n
-            if time.monotonic() > deadline:
-                return 0
-    finally:
-        await nc.close()
+            await asyncio.sleep(period_s)
+            await self.sample()
+
+    async def sample(self) -> None:
+        try:
+            await self._sample()
+        except Exception as e:  # noqa: BLE001 - a missed sample is not a failed run
+            log(f"STATS sample failed: {e!r}")
+
+    async def _sample(self) -> None:
+        """One timeline point: the client's tally and decode's counters now."""
+        d = await micro.service_stats(self.c.nats_url, "decode", expect=1)
+        el = time.monotonic() - self.t0
+        self.timeline.append(point(el, self.t, d[0] if d else {}))
+        if self.on_sample is not None:
+            self.on_sample(partial(self.cfg_dict(), self.t, self.timeline, el))
+
+    def cfg_dict(self) -> dict:
+        return {k: v for k, v in asdict(self.cfg).items() if k not in ("log_dir", "echo")}
 
 
-# ---- afterwards --------------------------------------------------------------------------
-async def decode_stats(nats_url: str) -> dict:
-    import nats
-
-    nc = await nats.connect(nats_url)
-    try:
-        return {svc: await micro.service_stats(nc, svc) for svc in ("decode", "prefill")}
-    finally:
-        await nc.close()
-
-
-async def quiesce(cfg: ChaosConfig, nats_url: str) -> dict:
-    """Until decode holds no request, no quarantined block and no used block (or timeout)."""
-    deadline = time.monotonic() + cfg.quiesce_s + cfg.lease_s
-    while True:
-        st = await decode_stats(nats_url)
-        d = st["decode"]
-        total = micro.sum_stats(d)
-        busy = sum(total.get(k, 0) for k in ("requests", "requests_live", "awaiting_kv",
-                                              "blocks_used", "blocks_quarantined",
-                                              "requests_quarantined"))
-        if (d and busy == 0) or time.monotonic() > deadline:
-            return st
-        await asyncio.sleep(0.5)
-
-
-async def healthy(c) -> list[str]:
-    """Problems: gateway /health, an instance missing from $SRV.PING, a child that died."""
-    import aiohttp
-
-    problems = [f"{p.name} exited ({p.returncode})" for p in c.unexpected_exits()]
-    async with aiohttp.ClientSession() as http:
-        async with http.get(c.url + "/health") as r:
-            if r.status != 200:
-                problems.append(f"gateway /health {r.status}: {await r.text()}")
-    nc = await micro.connect_once(c.nats_url)
-    try:
-        seen = {(i.service, i.instance_id) for i in await micro.ping(nc)}
-    finally:
-        await nc.close()
-    for p in c.procs.values():
-        if p.service != "nats" and (p.service, p.instance_id) not in seen:
-            problems.append(f"{p.name} does not answer $SRV.PING")
-    return problems
-
-
-def merge_counts(stats: list[dict], key: str) -> dict:
-    out: dict[str, int] = {}
-    for s in stats:
-        for k, v in (s.get(key) or {}).items():
-            out[k] = out.get(k, 0) + v
-    return out
-
-
-async def arun(cfg: ChaosConfig) -> dict:
+async def arun(cfg: ChaosConfig, on_sample: Callable[[dict], None] | None = None) -> dict:
+    """The run; on_sample(partial result) after each timeline point (scripts/chaos.py
+    writes it to disk, so an interrupted run still leaves numbers)."""
     t0 = time.monotonic()
     pool = request_pool(cfg.model, cfg)
     want = references(cfg.model, pool)
-    log(f"{len(pool)} references in {time.monotonic() - t0:.1f}s; starting the mesh")
+    log(f"guards {cfg.guards}: {len(pool)} references in {time.monotonic() - t0:.1f}s; "
+        f"starting the mesh")
     c = cluster(cfg)
     await c.astart()
     try:
+        ld = _Load(cfg, c, pool, want, on_sample)
         t1 = time.monotonic()
-        tally = await load(cfg, c, pool, want)
+        tally = await ld.run()
         load_s = time.monotonic() - t1
         st = await quiesce(cfg, c.nats_url)
         problems = await healthy(c)
     finally:
         await c.astop()
-    d, p = st["decode"], st["prefill"]
-    dt, pt = micro.sum_stats(d), micro.sum_stats(p)
-    lat = d[0].get("reclaim_latency_ms", {}) if d else {}
-    res = {
-        "config": {k: v for k, v in asdict(cfg).items() if k not in ("log_dir", "echo")},
-        "requests": tally.sent + tally.storm_requests, "completed": tally.completed,
-        "client_cancelled": tally.cancelled, "errors": tally.errors,
-        "mismatches": tally.mismatches,
-        "aborts": dt.get("aborts", 0), "aborts_by_reason": merge_counts(d, "aborts_by_reason"),
-        "reclaims": dt.get("reclaims", 0),
-        "reclaims_by_outcome": merge_counts(d, "reclaims_by_outcome"),
-        "kv_writes_fenced": dt.get("kv_writes_fenced", 0),
-        "kv_writes_applied": dt.get("kv_writes_applied", 0),
-        "kv_writes_stray": dt.get("kv_writes_stray", 0),
-        "claims_refused": dt.get("claims_refused", 0),
-        "pd": dt.get("pd", 0), "colocated": dt.get("colocated", 0),
-        "prefill_fallbacks": dt.get("prefill_fallbacks", 0),
-        "prefill_jobs_reclaimed": pt.get("jobs_reclaimed", 0),
-        "prefill_jobs_refused": pt.get("jobs_refused", 0),
-        "prefill_jobs_redelivered": pt.get("jobs_redelivered", 0),
-        "blocks_leaked": dt.get("blocks_used", 0) + dt.get("blocks_quarantined", 0),
-        "blocks_quarantined_after": dt.get("blocks_quarantined", 0),
-        "requests_left": dt.get("requests", 0) + dt.get("requests_live", 0),
-        "reclaim_latency_ms": lat,
-        "reclaim_latency_buckets": d[0].get("reclaim_latency_buckets", {}) if d else {},
-        "unhealthy": problems,
-        "error_samples": tally.error_samples, "mismatch_samples": tally.mismatch_samples,
-        "load_s": round(load_s, 1), "wall_s": round(time.monotonic() - t0, 1),
-    }
-    return res
+    return result(ld.cfg_dict(), tally, st, problems, ld.timeline, load_s,
+                  time.monotonic() - t0)
 
 
-def run(cfg: ChaosConfig) -> dict:
-    return asyncio.run(arun(cfg))
-
-
-def headline(res: dict) -> str:
-    lat = res["reclaim_latency_ms"]
-    return (f"requests={res['requests']} completed={res['completed']} "
-            f"cancelled={res['client_cancelled']} errors={res['errors']} "
-            f"aborts={res['aborts']} reclaims={res['reclaims']} {res['reclaims_by_outcome']} "
-            f"fenced={res['kv_writes_fenced']} mismatches={res['mismatches']} "
-            f"leaked={res['blocks_leaked']} reclaim_ms p50={lat.get('p50')} "
-            f"p99={lat.get('p99')} max={lat.get('max')} load={res['load_s']}s "
-            f"wall={res['wall_s']}s unhealthy={res['unhealthy']}")
+def run(cfg: ChaosConfig, on_sample: Callable[[dict], None] | None = None) -> dict:
+    return asyncio.run(arun(cfg, on_sample))

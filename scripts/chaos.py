@@ -1,55 +1,142 @@
-"""Chaos run at scale: python scripts/chaos.py --requests 10000 [--no-reclaim-ack]
-[--no-epoch-fence] [--out chaos.json]. See pdmesh/chaos.py for what it does; prints the
-headline and writes every number as JSON. Exit status 1 when a completed request differs
-from its reference, a block leaked, or a service is unhealthy."""
+"""Chaos run at scale (invariant 3; see pdmesh/chaos.py for what it does).
+
+    python scripts/chaos.py --requests 30000                  both guards
+    python scripts/chaos.py --no-reclaim-ack                  fence only (also --guards fence_only)
+    python scripts/chaos.py --no-epoch-fence                  ack only
+    python scripts/chaos.py --guards all --requests 2000      the four side by side
+    python scripts/chaos.py --hazard --guards all             the negative controls' settings
+
+Writes <out>/chaos_[<guards>_]<model>.json and .png (chaos_guards_<model>.* for --guards
+all); while it runs, <stem>.partial.json every --save-every seconds (the numbers so far,
+so an interrupted run still leaves them), removed at the end. Progress lines on stdout.
+Exit status 1 when a guarded configuration has a mismatch, an error, a leaked block or an
+unhealthy service, or when the unguarded one has no mismatch."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pdmesh.chaos import ChaosConfig, headline, run  # noqa: E402
+from pdmesh.chaos import GUARDS, HAZARD, ChaosConfig, headline, run, with_guards  # noqa: E402
+from pdmesh.chaos_plot import plot_compare, plot_run  # noqa: E402
+from pdmesh.chaos_report import compare, sound  # noqa: E402
 
 
-def main() -> int:
+def args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=str(ROOT / "models" / "tiny-target"))
-    ap.add_argument("--requests", type=int, default=10_000)
+    ap.add_argument("--requests", type=int, default=None, help="default 10000 (--hazard 300)")
     ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--abort-rate", type=float, default=0.4)
-    ap.add_argument("--storms", type=int, default=10)
-    ap.add_argument("--storm-size", type=int, default=24)
-    ap.add_argument("--prefill", type=int, default=2)
+    ap.add_argument("--abort-rate", type=float, default=None)
+    ap.add_argument("--storms", type=int, default=None, help="default 10")
+    ap.add_argument("--storm-size", type=int, default=None)
+    ap.add_argument("--prefill", type=int, default=None)
     ap.add_argument("--no-kill", action="store_true", help="do not SIGKILL a prefill")
-    ap.add_argument("--num-blocks", type=int, default=48)
-    ap.add_argument("--write-delay", type=float, default=0.1, metavar="S",
+    ap.add_argument("--num-blocks", type=int, default=None)
+    ap.add_argument("--write-delay", type=float, default=None, metavar="S",
                     help="max random delay of each KV write once issued")
-    ap.add_argument("--kv-window", type=int, default=2)
-    ap.add_argument("--lease", type=float, default=3.0, metavar="S")
+    ap.add_argument("--kv-window", type=int, default=None)
+    ap.add_argument("--lease", type=float, default=None, metavar="S")
+    ap.add_argument("--hazard", action="store_true",
+                    help="start from the negative controls' settings (pdmesh.chaos.HAZARD)")
+    ap.add_argument("--guards", choices=[*GUARDS, "all"], default=None)
     ap.add_argument("--no-reclaim-ack", action="store_true", help="TEST: disable reclaim-ack")
     ap.add_argument("--no-epoch-fence", action="store_true", help="TEST: disable epoch fencing")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-dir", default=None)
-    ap.add_argument("--out", default=None, help="write the JSON here too")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "bench"), help="folder for JSON + PNG")
+    ap.add_argument("--name", default=None, help="file stem (default chaos_..._<model>)")
+    ap.add_argument("--save-every", type=float, default=60.0, metavar="S",
+                    help="write the partial JSON this often")
     a = ap.parse_args()
-    cfg = ChaosConfig(model=a.model, requests=a.requests, concurrency=a.concurrency,
-                      abort_rate=a.abort_rate, storms=a.storms, storm_size=a.storm_size,
-                      prefill=a.prefill, kill_prefill=not a.no_kill, num_blocks=a.num_blocks,
-                      write_delay_s=a.write_delay, kv_window=a.kv_window, lease_s=a.lease,
-                      reclaim_ack=not a.no_reclaim_ack, epoch_fence=not a.no_epoch_fence,
-                      seed=a.seed, log_dir=a.log_dir)
-    res = run(cfg)
-    text = json.dumps(res, indent=2)
-    print(text)
+    if a.guards and (a.no_reclaim_ack or a.no_epoch_fence):
+        ap.error("--guards and --no-reclaim-ack/--no-epoch-fence: use one")
+    if not a.guards:
+        a.guards = {(False, False): "both", (True, False): "fence_only",
+                    (False, True): "ack_only", (True, True): "none"}[
+                        (a.no_reclaim_ack, a.no_epoch_fence)]
+    return a
+
+
+def config(a: argparse.Namespace) -> ChaosConfig:
+    base = ChaosConfig(model=a.model, requests=10_000, storms=10, seed=a.seed,
+                       log_dir=a.log_dir, concurrency=a.concurrency)
+    if a.hazard:
+        base = replace(base, **HAZARD)
+    given = dict(requests=a.requests, abort_rate=a.abort_rate, storms=a.storms,
+                 storm_size=a.storm_size, prefill=a.prefill, num_blocks=a.num_blocks,
+                 write_delay_s=a.write_delay, kv_window=a.kv_window, lease_s=a.lease)
+    cfg = replace(base, **{k: v for k, v in given.items() if v is not None})
+    return replace(cfg, kill_prefill=False) if a.no_kill else cfg
+
+
+class Saver:
+    """The partial JSON, at most every period_s (and the final files)."""
+
+    def __init__(self, out: Path, stem: str, period_s: float):
+        out.mkdir(parents=True, exist_ok=True)
+        self.json, self.png = out / f"{stem}.json", out / f"{stem}.png"
+        self.partial = out / f"{stem}.partial.json"
+        self.period_s, self.last = period_s, 0.0
+        self.done: dict[str, dict] = {}       # --guards all: the finished runs
+
+    def on_sample(self, res: dict, guards: str | None = None) -> None:
+        now = time.monotonic()
+        if now - self.last < self.period_s:
+            return
+        self.last = now
+        data = res if guards is None else {"partial": True, "runs": self.done | {guards: res}}
+        _write(self.partial, data)
+
+    def final(self, res: dict, plot) -> None:
+        _write(self.json, res)
+        plot(res, self.png)
+        self.partial.unlink(missing_ok=True)
+        print(f"wrote {self.json} and {self.png}", flush=True)
+
+
+def _write(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def one(cfg: ChaosConfig, saver: Saver) -> int:
+    res = run(cfg, saver.on_sample)
+    saver.final(res, plot_run)
     print(headline(res))
-    if a.out:
-        Path(a.out).write_text(text + "\n")
-    bad = res["mismatches"] or res["blocks_leaked"] or res["unhealthy"]
-    return 1 if bad else 0
+    ok = res["mismatches"] > 0 if cfg.guards == "none" else sound(res)
+    return 0 if ok else 1
+
+
+def all_four(cfg: ChaosConfig, saver: Saver) -> int:
+    for g in GUARDS:
+        res = run(with_guards(cfg, g), lambda r, g=g: saver.on_sample(r, g))
+        print(headline(res), flush=True)
+        saver.done[g] = res
+    cmp = compare(saver.done)
+    saver.final({"runs": saver.done, **cmp}, plot_compare)
+    for p in cmp["problems"]:
+        print("PROBLEM:", p)
+    return 1 if cmp["problems"] else 0
+
+
+def main() -> int:
+    a = args()
+    cfg = config(a)
+    model = Path(a.model).name
+    if a.guards == "all":
+        stem = a.name or f"chaos_guards_{model}"
+        return all_four(cfg, Saver(Path(a.out), stem, a.save_every))
+    cfg = with_guards(cfg, a.guards)
+    stem = a.name or ("chaos_" + ("" if a.guards == "both" else a.guards + "_") + model)
+    return one(cfg, Saver(Path(a.out), stem, a.save_every))
 
 
 if __name__ == "__main__":
