@@ -56,8 +56,8 @@ class GatewayConfig:
         "a request that gets no chunk for this long is treated like one whose decode "
         "instance was lost (migrated)"))
     max_in_flight: int = field(default=0, metadata=_help(
-        "requests in flight beyond this get 429 with Retry-After (0: twice what the live "
-        "decode instances batch at once, from their heartbeats)"))
+        "requests in flight beyond this get 429 with Retry-After (0: 1.5 times what the "
+        "live decode instances batch at once, from their heartbeats)"))
 
     def __post_init__(self):
         if not self.model:

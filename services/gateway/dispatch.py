@@ -130,6 +130,7 @@ class DecodeClient:
         self.dropped_chunks = 0
         self.bad_messages = 0
         self.affinity = PrefixAffinity()
+        self._reconnects, self._reconnected_at = 0, float("-inf")
         self.routed_warm = 0       # requests sent where their prefix was likely cached
         self._rng = random.Random()
 
@@ -215,6 +216,7 @@ class DecodeClient:
         tried = sub.tried
         reasons: list[str] = []
         cached = self.affinity.best(sub.prompt_ids)
+        await self._until_sighted(tried)
         while (inst := self.registry.choose(self.clock(), tried, cached)) is not None:
             rid = sub.request_id if not tried else f"{sub.request_id}.{len(tried)}"
             tried.add(inst)
@@ -315,9 +317,29 @@ class DecodeClient:
         d.progress_at = self.clock()
         return c
 
+    def blind(self) -> bool:
+        """This gateway cannot judge decode liveness now: it is not connected to NATS, or
+        reconnected less than dead_after_s ago (heartbeats are only coming back). Silence
+        then says nothing about the instances."""
+        rc = self.nc.stats.get("reconnects", 0) if hasattr(self.nc, "stats") else 0
+        if rc != self._reconnects:
+            self._reconnects, self._reconnected_at = rc, self.clock()
+        return (not self.nc.is_connected
+                or self.clock() - self._reconnected_at < self.registry.dead_after_s)
+
+    async def _until_sighted(self, tried: set[str]) -> None:
+        """While blind with no live instance to choose, wait (up to submit_timeout_s) for
+        the heartbeats to come back rather than refuse at once."""
+        deadline = self.clock() + self.submit_timeout_s
+        while (self.blind() and self.registry.choose(self.clock(), tried) is None
+               and self.clock() < deadline):
+            await asyncio.sleep(0.1)
+
     def _check_progress(self, d: Dispatch) -> None:
         """Idle for a tick: is the instance still there, and is the request moving?"""
         now = self.clock()
+        if self.blind():
+            return
         if not self.registry.is_alive(d.instance, now):
             silent = self.registry.silent_for(d.instance, now) or 0.0
             conn = "" if self.nc.is_connected else " (this gateway is not connected to NATS)"
