@@ -101,6 +101,12 @@ def _nats_flags(up: argparse.ArgumentParser) -> None:
     up.add_argument("--nats-cluster", type=int, default=1, metavar="N",
                     help="nats-servers: 3 runs a JetStream cluster (job queue replicated R3, "
                          "every service given all URLs); default 1")
+    up.add_argument("--nats-auth", action=argparse.BooleanOptionalAction, default=True,
+                    help="each service its own NATS user, granted only its subjects; "
+                         "credentials generated into the run directory (default: on)")
+    up.add_argument("--tls", action="store_true",
+                    help="NATS over TLS: a CA and certificates made for this run; every "
+                         "service verifies the servers")
 
 
 def cmd_up(args) -> int:
@@ -111,7 +117,7 @@ def cmd_up(args) -> int:
     cluster = Cluster(
         model=args.model, prefill=args.prefill, decode=args.decode, host=args.host,
         port=args.port, nats_port=args.nats_port, nats_http_port=args.nats_http_port,
-        nats_cluster=args.nats_cluster,
+        nats_cluster=args.nats_cluster, nats_auth=args.nats_auth, nats_tls=args.tls,
         dtype=args.dtype, deterministic=args.deterministic, mode=args.mode,
         threads=args.threads, kvstore=not args.no_kvstore, overrides=parse_sets(args.set),
         extra_env=dict(parse_kv(s) for s in args.extra_env), log_dir=args.log_dir,
@@ -164,8 +170,20 @@ def _print_ready(cluster) -> None:
     print(f"\npdmesh is up: {cluster.url}   (nats {cluster.nats_url})\n\n"
           f"  curl -s {cluster.url}/v1/chat/completions -H 'Content-Type: application/json' "
           f"-d {shlex.quote(body)}\n\n"
-          f"  pdmesh status --nats-url {cluster.nats_url}\n"
+          f"  pdmesh status --nats-url {shlex.quote(cluster.nats_url)}\n"
+          f"{_debug_hint(cluster)}"
           "Ctrl-C stops everything.\n", flush=True)
+
+
+def _debug_hint(cluster) -> str:
+    """How to watch the mesh with the nats CLI as the read-only debug user."""
+    s = cluster.secrets
+    if s is None or not s.auth_on:
+        return ""
+    tls = f" --tlsca {s.tls.ca}" if s.tls else ""
+    server = cluster.nats.url.split(",")[0]
+    return (f"  nats -s {server} --user debug --password $(cat {s.password_file('debug')})"
+            f"{tls} sub 'pdmesh.>'   # read-only debug user\n")
 
 
 def _served_model(url: str) -> str | None:
@@ -233,12 +251,15 @@ def cmd_tail(args) -> int:
 async def _tail(args) -> int:
     import nats
 
+    from shared.natsconn import NatsAuth, connect_kwargs
+
     async def on_error(e) -> None:
         print(f"# nats: {e!r}", file=sys.stderr, flush=True)
 
     try:   # then keep reconnecting: tail outlives a nats-server restart
         nc = await asyncio.wait_for(nats.connect(
-            args.nats_url, connect_timeout=2, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+            **connect_kwargs(args.nats_url, NatsAuth.from_env()), connect_timeout=2,
+            max_reconnect_attempts=-1, reconnect_time_wait=0.5,
             error_cb=on_error), 5)
     except (asyncio.TimeoutError, OSError) as e:
         print(f"pdmesh: cannot reach nats at {args.nats_url}: {e!r}", file=sys.stderr)

@@ -30,7 +30,6 @@ long as the cluster.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import os
 import shutil
 import signal
@@ -42,41 +41,32 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TextIO
 
+from pdmesh.creds import Secrets
 from pdmesh.launch import (
+    CONFIG_CLASSES,
     ClusterError,
     child_env,
+    config_class,
     echo_fn,
     free_port,
+    known_settings as _known,
     nats_server_binary,
     to_flags,
 )
 from pdmesh.natsgroup import NatsGroup
 from pdmesh.procs import Proc, Supervisor
-from shared.settings import field_names
 
 __all__ = ["CONFIG_CLASSES", "SERVICES", "Cluster", "ClusterError", "config_class",
            "nats_server_binary"]
 
 SERVICES = ("kvstore", "prefill", "decode", "gateway")   # start order (all at once after nats)
-CONFIG_CLASSES = {
-    "gateway": ("services.gateway.config", "GatewayConfig"),
-    "decode": ("services.decode.config", "DecodeConfig"),
-    "prefill": ("services.prefill.config", "PrefillConfig"),
-    "kvstore": ("services.kvstore.config", "KvstoreConfig"),
-}
-
-
-def config_class(service: str) -> type:
-    """The settings dataclass of a service."""
-    module, name = CONFIG_CLASSES[service]
-    return getattr(importlib.import_module(module), name)
-
 
 # ---- the cluster ----------------------------------------------------------------------------
 class Cluster:
     def __init__(self, model: str, prefill: int = 1, decode: int = 1, *,
                  host: str = "127.0.0.1", port: int = 0, nats_port: int = 0,
                  nats_http_port: int | None = None, nats_cluster: int = 1,
+                 nats_auth: bool = False, nats_tls: bool = False,
                  dtype: str | None = None,
                  deterministic: bool | None = None, mode: str | None = None,
                  threads: int | None = None, kvstore: bool = True, gateway: bool = True,
@@ -89,7 +79,10 @@ class Cluster:
         (e.g. {"decode": {"num_blocks": 64}}); a key naming one instance ("decode-0")
         sets fields of that instance only, over its service's. echo: True prints `[name] line`
         to stdout, False prints nothing, or a stream / callable that takes each prefixed line.
-        nats_cluster: nats-servers (3: a JetStream cluster; services get every URL)."""
+        nats_cluster: nats-servers (3: a JetStream cluster; services get every URL).
+        nats_auth: each service its own NATS user, granted only its subjects (pdmesh.creds;
+        nats_url then carries the read-only debug user). nats_tls: a CA and certificates,
+        every client verifies the servers."""
         self.model = str(model)
         self.counts = {"kvstore": 1 if kvstore else 0, "prefill": prefill, "decode": decode,
                        "gateway": 1 if gateway else 0}
@@ -98,7 +91,9 @@ class Cluster:
         if nats_cluster < 1:
             raise ValueError("nats_cluster must be >= 1")
         self.nats_cluster = nats_cluster
+        self.nats_auth, self.nats_tls = nats_auth, nats_tls
         self.nats: NatsGroup | None = None
+        self.secrets: Secrets | None = None
         self.settings: dict[str, dict[str, Any]] = {
             "gateway": {"model": self.model},
             "decode": {"model": self.model, "dtype": dtype, "deterministic": deterministic,
@@ -140,10 +135,20 @@ class Cluster:
 
     @property
     def nats_url(self) -> str:
-        """Every nats-server, comma-separated (one URL without a cluster)."""
-        if self.nats is not None:
-            return self.nats.url
-        return f"nats://127.0.0.1:{self.nats_port}"
+        """Every nats-server, comma-separated (one URL without a cluster); with nats_auth,
+        as the read-only debug user (for tools: status, tail, $SRV.STATS)."""
+        if self.secrets is not None and self.secrets.auth_on:
+            return self.secrets.url(self._service_url)
+        return self._service_url
+
+    @property
+    def _service_url(self) -> str:     # what services are given (their identity: env)
+        return self.nats.url if self.nats is not None else f"nats://127.0.0.1:{self.nats_port}"
+
+    def client_options(self, identity: str | None = None) -> dict[str, Any]:
+        """nats.connect(**c.client_options("prefill")): connect as that service's user
+        (None: debug with auth on, nobody without), verifying TLS when on."""
+        return self.nats.client_options(identity)
 
     @property
     def nats_servers(self) -> list[str]:
@@ -259,8 +264,11 @@ class Cluster:
         if self.log_dir:
             self.log_dir.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port()
+        if self.nats_auth or self.nats_tls:
+            self.secrets = Secrets.create(self.tmp / "secrets", auth=self.nats_auth,
+                                          tls=self.nats_tls)
         self.nats = NatsGroup(self.nats_cluster, self.tmp, port=self.nats_port,
-                              http_port=self.nats_http_port)
+                              http_port=self.nats_http_port, secrets=self.secrets)
         self.nats_port = self.nats.nodes[0].port
         self.procs.update(self.nats.procs)
         await self.nats.start(self._emit, self.log_dir)
@@ -272,14 +280,15 @@ class Cluster:
     def _new_proc(self, service: str) -> Proc:
         index = sum(1 for p in self.procs.values() if p.service == service)
         name, iid = f"{service}-{index}", f"{service}_{index}"
-        settings = ({"nats_url": self.nats_url, "instance_id": iid} | self.settings[service]
+        settings = ({"nats_url": self._service_url, "instance_id": iid} | self.settings[service]
                     | self.instance_settings.get(name, {}))
         if service == "gateway":
             settings |= {"host": self.host, "port": self.port}
         if service == "kvstore" and "disk_dir" not in settings:   # L3 files die with the run
             settings |= {"disk_dir": str(self.tmp / f"kvstore-{index}")}
         argv = [sys.executable, "-m", f"services.{service}", *to_flags(_known(service, settings))]
-        proc = Proc(name, service, argv, child_env(self.extra_env),
+        nats_env = self.secrets.env(service) if self.secrets is not None else {}
+        proc = Proc(name, service, argv, child_env(self.extra_env, nats_env),
                     instance_id=settings["instance_id"])
         self.procs[name] = proc
         return proc
@@ -376,15 +385,4 @@ class Cluster:
 
 async def _quiet(_e) -> None:
     pass
-
-
-def _known(service: str, settings: dict[str, Any]) -> dict[str, Any]:
-    """Drop unset values; refuse fields the service's config does not have."""
-    settings = {k: v for k, v in settings.items() if v is not None}
-    cls = config_class(service)
-    fields = field_names(cls)
-    unknown = sorted(set(settings) - fields)
-    if unknown:
-        raise ValueError(f"{service} has no setting(s) {unknown}; it has {sorted(fields)}")
-    return settings
 

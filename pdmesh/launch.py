@@ -4,6 +4,7 @@ its output lines go.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import socket
@@ -14,6 +15,14 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+CONFIG_CLASSES = {
+    "gateway": ("services.gateway.config", "GatewayConfig"),
+    "decode": ("services.decode.config", "DecodeConfig"),
+    "prefill": ("services.prefill.config", "PrefillConfig"),
+    "kvstore": ("services.kvstore.config", "KvstoreConfig"),
+}
+NATS_ENV = ("PDMESH_NATS_USER", "PDMESH_NATS_PASSWORD", "PDMESH_NATS_PASSWORD_FILE",
+            "PDMESH_NATS_TLS_CA")
 
 
 class ClusterError(RuntimeError):
@@ -53,9 +62,29 @@ def to_flags(settings: dict[str, Any]) -> list[str]:
     return out
 
 
-def child_env(extra_env: dict[str, str]) -> dict[str, str]:
-    """This process's environment, unbuffered, with the repository importable."""
-    env = dict(os.environ)
+def config_class(service: str) -> type:
+    """The settings dataclass of a service."""
+    module, name = CONFIG_CLASSES[service]
+    return getattr(importlib.import_module(module), name)
+
+
+def known_settings(service: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """Drop unset values; refuse fields the service's config does not have."""
+    from shared.settings import field_names
+
+    settings = {k: v for k, v in settings.items() if v is not None}
+    fields = field_names(config_class(service))
+    unknown = sorted(set(settings) - fields)
+    if unknown:
+        raise ValueError(f"{service} has no setting(s) {unknown}; it has {sorted(fields)}")
+    return settings
+
+
+def child_env(extra_env: dict[str, str], nats_env: dict[str, str] | None = None
+              ) -> dict[str, str]:
+    """This process's environment, unbuffered, with the repository importable; the NATS
+    identity is nats_env's (pdmesh.creds), never one inherited from this process."""
+    env = {k: v for k, v in os.environ.items() if k not in NATS_ENV} | (nats_env or {})
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")

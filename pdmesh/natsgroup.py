@@ -63,7 +63,8 @@ class NatsGroup:
         s = self.secrets
         if s is None:
             return render_conf(node, self.nodes, self.store_dir(node))
-        return render_conf(node, self.nodes, self.store_dir(node), auth_include=s.auth_include,
+        include = s.auth_include and os.path.relpath(s.auth_include, self.tmp)  # nats: relative
+        return render_conf(node, self.nodes, self.store_dir(node), auth_include=include,
                            route_auth=s.route_auth, tls=s.tls)
 
     def auth(self, identity: str | None) -> NatsAuth:

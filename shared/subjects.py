@@ -8,6 +8,7 @@ Rules: lowercase, dot-separated, `_` inside tokens, at most 5 tokens.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 PREFIX = "pdmesh"
 _TOKEN = re.compile(r"^[a-z0-9_]+$")
@@ -115,3 +116,106 @@ def bench_raw(run: str) -> str:                 # pdmesh bench: raw request/repl
 
 
 ALL = f"{PREFIX}.>"
+
+
+# ---- who publishes and who subscribes what: the NATS permission table ------------------------
+# Every service connects as its own NATS user (IDENTITIES); nats-server grants each exactly
+# what GRANTS and CONTROL say, publish and subscribe separately (pdmesh/creds.py renders it;
+# tests/test_subject_grants.py checks that every subject the code builds is here). Replies
+# are not listed: a request's replier answers on the requester's inbox, which the server
+# allows for one response (allow_responses), and each user's inbox is _INBOX.<user>.>.
+ANY = "*"                   # any instance id in a pattern
+TOOLS = ("bench_raw",)      # subjects only pdmesh's own tools use (no service is granted them)
+IDENTITIES = ("gateway", "decode", "prefill", "kvstore")
+DEBUG = "debug"             # read-only: sees every message, can ask PING/INFO/STATS/health
+_PROBE = "any_instance_probe"
+
+
+@dataclass(frozen=True)
+class Grant:
+    fn: str                         # the subject function the code calls
+    args: tuple[str, ...] = ()      # its arguments in the pattern (ANY: every instance)
+    pub: tuple[str, ...] = ()       # who publishes on it (requests included)
+    sub: tuple[str, ...] = ()       # who subscribes to it (serves it)
+
+    @property
+    def pattern(self) -> str:
+        subject = globals()[self.fn](*(_PROBE if a == ANY else a for a in self.args))
+        return subject.replace(_PROBE, ANY)
+
+
+def pattern(fn: str, *args: str) -> str:
+    """A subject function's subject with ANY arguments as wildcards:
+    pattern("decode_kv", ANY) == "pdmesh.decode.kv.*"."""
+    return Grant(fn, args).pattern
+
+
+GRANTS: tuple[Grant, ...] = (
+    Grant("decode_submit", (ANY,), pub=("gateway",), sub=("decode",)),
+    Grant("decode_abort", (ANY,), pub=("gateway",), sub=("decode",)),
+    Grant("decode_kv", (ANY,), pub=("prefill",), sub=("decode",)),
+    Grant("decode_prefill_done", (ANY,), pub=("prefill",), sub=("decode",)),
+    Grant("decode_claim", (ANY,), pub=("prefill",), sub=("decode",)),
+    # decode -> JetStream (the work-queue stream stores it); prefill pulls through $JS.API
+    Grant("prefill_jobs", pub=("decode",)),
+    Grant("prefill_reclaim", (ANY,), pub=("decode",), sub=("prefill",)),
+    Grant("gateway_tokens", (ANY,), pub=("decode",), sub=("gateway",)),
+    Grant("kvstore_health", pub=(DEBUG,), sub=("kvstore",)),
+    Grant("kvstore_lookup", pub=("decode", "prefill"), sub=("kvstore",)),
+    Grant("kvstore_fetch", pub=("decode", "prefill"), sub=("kvstore",)),
+    Grant("kvstore_layer", (ANY,), pub=("decode", "prefill"), sub=("kvstore",)),
+    Grant("kvstore_put", pub=("prefill",), sub=("kvstore",)),       # only prefill writes
+    # each service answers its own health; its container's health check asks it
+    *(Grant("health", (s, ANY), pub=(s, DEBUG), sub=(s,)) for s in IDENTITIES),
+    # a heartbeat comes only from its own service
+    Grant("heartbeat", ("gateway",), pub=("gateway",), sub=("decode",)),
+    Grant("heartbeat", ("decode",), pub=("decode",)),
+    Grant("heartbeat", ("prefill",), pub=("prefill",), sub=("decode",)),
+    Grant("heartbeat", ("kvstore",), pub=("kvstore",)),
+    Grant("heartbeats_all", sub=("gateway",)),
+    Grant("request_anomaly", pub=("decode",)),
+)
+
+
+def _srv(verb: str, service: str = "") -> str:       # nats.micro control subjects
+    return "$SRV." + verb + (f".{service}" if service else "")
+
+
+def _js(*tokens: str) -> str:                        # JetStream API subjects
+    return ".".join(("$JS.API", *tokens))
+
+
+def _stream_admin() -> list[str]:    # ensure_stream: look at, create, update the job stream
+    return [_js("STREAM", verb, PREFILL_STREAM) for verb in ("INFO", "CREATE", "UPDATE")]
+
+
+def _consumer() -> list[str]:        # the prefill workers' durable pull consumer
+    c = (PREFILL_STREAM, PREFILL_CONSUMER)
+    return [_js("CONSUMER", "CREATE", *c), _js("CONSUMER", "CREATE", *c, ">"),
+            _js("CONSUMER", "DURABLE", "CREATE", *c), _js("CONSUMER", "INFO", *c),
+            _js("CONSUMER", "MSG", "NEXT", *c), f"$JS.ACK.{PREFILL_STREAM}.{PREFILL_CONSUMER}.>"]
+
+
+def control(identity: str) -> tuple[list[str], list[str]]:
+    """(publish, subscribe) outside pdmesh.>: nats.micro ($SRV), JetStream ($JS), inbox."""
+    if identity == DEBUG:   # read-only tools: `nats sub`, `nats micro`, `nats stream info`
+        return ([_srv(">"), _js("INFO"), _js("STREAM", "INFO", ANY), _js("STREAM", "NAMES"),
+                 _js("STREAM", "LIST"), _js("CONSUMER", "INFO", ANY, ANY),
+                 _js("CONSUMER", "NAMES", ANY), _js("CONSUMER", "LIST", ANY)], [">"])
+    pub = [_srv("PING", identity)]            # its container's health check finds it
+    pub += {"decode": _stream_admin(), "prefill": _stream_admin() + _consumer(),
+            "gateway": [_srv("STATS", "kvstore")]}.get(identity, [])   # kvstore gauges
+    sub = [_srv(ANY), _srv(ANY, identity), f"{_srv(ANY, identity)}.{ANY}",   # micro serves
+           f"_INBOX.{identity}.>"]
+    return pub, sub
+
+
+def permissions(identity: str) -> dict[str, list[str]]:
+    """What nats-server allows identity: {"publish": [...], "subscribe": [...]}."""
+    pub, sub = control(identity)
+    for g in GRANTS:
+        if identity in g.pub:
+            pub.append(g.pattern)
+        if identity in g.sub:
+            sub.append(g.pattern)
+    return {"publish": list(dict.fromkeys(pub)), "subscribe": list(dict.fromkeys(sub))}

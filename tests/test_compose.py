@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from pdmesh.cluster import CONFIG_CLASSES, config_class, nats_server_binary
+from pdmesh.creds import write_compose
 from pdmesh.natsconf import COMPOSE_NODES, compose_conf
 from shared.settings import env_name, field_names, flat_values, load
 
@@ -75,8 +76,10 @@ def test_scaling_needs_no_fixed_names_or_ports(compose):
         assert "PDMESH_INSTANCE_ID" not in (svc.get("environment") or {}), name
         if name != "gateway":
             assert not svc.get("ports"), f"{name} publishes a host port"
-    assert any(p.get("target") == 8000 or "8000" in str(p)
-               for p in compose["services"]["gateway"]["ports"])
+    ports = compose["services"]["gateway"]["ports"]
+    assert ports and all(str(p).split("/")[0].endswith(":8000:8000") for p in ports), ports
+    # only on this machine unless asked (PDMESH_GATEWAY_BIND)
+    assert all(str(p).startswith("127.0.0.1:") for p in ports), ports
 
 
 def test_dependencies_wait_for_health(compose):
@@ -91,20 +94,27 @@ def test_dependencies_wait_for_health(compose):
             assert set(COMPOSE_NODES) <= set(services[name]["depends_on"]), name
 
 
-def test_nats_is_a_three_node_jetstream_cluster_with_8mb_payload(compose):
+def test_nats_is_a_three_node_jetstream_cluster_with_8mb_payload(compose, tmp_path):
     conf = ROOT / "deploy" / "nats.conf"
     assert conf.read_text() == compose_conf(), "deploy/nats.conf: regenerate from compose_conf()"
     text = conf.read_text()
     assert re.search(r"^max_payload:\s*8MB", text, re.M)
     assert re.search(r"^jetstream\s*\{", text, re.M)
+    write_compose(tmp_path)          # what `python -m pdmesh.creds deploy/secrets` writes
+    shutil.copy(conf, tmp_path / "nats.conf")
+    routes = (tmp_path / "routes.conf").read_text()
     for node in COMPOSE_NODES:
         nats = compose["services"][node]
         assert nats["image"].startswith("nats:")
         assert nats["environment"]["SERVER_NAME"] == node
-        assert any(str(conf) in v for v in nats["volumes"])
-        assert f"nats-route://{node}:6222" in text
-        r = subprocess.run([nats_server_binary(), "-c", str(conf), "-t"], capture_output=True,
-                           text=True, timeout=30, env=os.environ | {"SERVER_NAME": node})
+        mounts = {v.split(":")[1]: v.split(":")[0] for v in nats["volumes"]}
+        assert mounts["/etc/nats/pdmesh.conf"] == str(conf)
+        for secret in ("auth.conf", "routes.conf"):       # included by nats.conf, generated
+            assert mounts[f"/etc/nats/{secret}"] == str(ROOT / "deploy" / "secrets" / secret)
+        assert re.search(rf"nats-route://route:[^@]+@{node}:6222", routes)
+        r = subprocess.run([nats_server_binary(), "-c", str(tmp_path / "nats.conf"), "-t"],
+                           capture_output=True, text=True, timeout=30,
+                           env=os.environ | {"SERVER_NAME": node})
         assert r.returncode == 0, r.stderr + r.stdout
     assert len({str(compose["services"][n]["volumes"]) for n in COMPOSE_NODES}) == 3  # own stores
 
@@ -124,3 +134,15 @@ def test_image_holds_the_model_compose_serves(compose):
     for pkg in ("pdmesh", "shared", "services", "kernels"):
         assert re.search(rf"^COPY {pkg} ", dockerfile, re.M), f"Dockerfile does not copy {pkg}/"
     assert "download.pytorch.org/whl/cpu" in dockerfile
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_each_service_connects_as_its_own_nats_user(compose, service):
+    svc = compose["services"][service]
+    env = svc["environment"]
+    assert env["PDMESH_NATS_USER"] == service
+    assert env["PDMESH_NATS_PASSWORD_FILE"] == "/run/secrets/nats_password"
+    assert svc["secrets"] == [{"source": f"{service}_nats_password", "target": "nats_password"}]
+    secret = compose["secrets"][f"{service}_nats_password"]["file"]
+    assert secret == str(ROOT / "deploy" / "secrets" / f"{service}.password")
+    assert "PDMESH_NATS_PASSWORD" not in env           # never a password in the file itself

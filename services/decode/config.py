@@ -8,6 +8,7 @@ from pathlib import Path
 
 from shared.engine.config import EngineConfig
 from shared.kv.writeback import WRITE_POLICIES
+from shared.natsconn import NatsAuth
 
 from .faults import DecodeFaults
 from .monitor import MonitorConfig
@@ -33,6 +34,7 @@ class DecodeConfig:
     """pdmesh decode: KV slots, continuous batching, token streaming."""
     engine: EngineConfig = field(default_factory=_engine, metadata={"prefix": ""})
     nats_url: str = "nats://127.0.0.1:4222"
+    nats: NatsAuth = field(default_factory=NatsAuth, metadata={"prefix": "nats_"})   # identity, TLS
     instance_id: str = field(default="", metadata={"help": "default: generated"})
     mode: str = field(default="auto", metadata={"help": "auto | pd | colocated"})
     min_pd_prompt_tokens: int = field(default=0, metadata={

@@ -68,7 +68,8 @@ class DecodeService:
         self.iid = cfg.instance_id or new_instance_id("decode")
         self.engine = engine or LLMEngine(cfg.engine)
         self.fingerprint = self.engine.tokenizer.fingerprint
-        self.rt = ServiceRuntime("decode", self.iid, cfg.nats_url, stats=self.stats)
+        self.rt = ServiceRuntime("decode", self.iid, cfg.nats_url, stats=self.stats,
+                                 auth=cfg.nats)
         self.peers, self.kvc = None, None
         self.table = RequestTable(cfg.reclaim_lease_s, cfg.reclaim_timeout_s)
         self.slots = KvSlots(self.engine)

@@ -47,7 +47,8 @@ class Gateway:
         self.registry = Registry(cfg.decode_dead_after_s, spec.tokenizer.fingerprint)
         self.metrics = Metrics()
         self.runtime = ServiceRuntime("gateway", cfg.instance_id, cfg.nats_url, stats=self.stats,
-                                      description="pdmesh gateway: OpenAI-compatible REST")
+                                      description="pdmesh gateway: OpenAI-compatible REST",
+                                      auth=cfg.nats)
         self.client: DecodeClient | None = None
         self.in_flight = 0
         self.draining = False

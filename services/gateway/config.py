@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared import subjects
+from shared.natsconn import NatsAuth
 from shared.service import new_instance_id
 
 
@@ -20,6 +21,7 @@ class GatewayConfig:
     served_model_name: str = field(default="", metadata=_help(
         "model id clients send and /v1/models lists (default: the folder name)"))
     nats_url: str = field(default="nats://127.0.0.1:4222", metadata=_help("NATS server URL"))
+    nats: NatsAuth = field(default_factory=NatsAuth, metadata={"prefix": "nats_"})   # identity, TLS
     host: str = field(default="127.0.0.1", metadata=_help("HTTP listen address"))
     port: int = field(default=8000, metadata=_help("HTTP listen port"))
     instance_id: str = field(default="", metadata=_help(

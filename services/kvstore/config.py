@@ -4,11 +4,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from shared.natsconn import NatsAuth
+
 
 @dataclass
 class KvstoreConfig:
     """pdmesh kvstore: hierarchical KV cache (HiCache) tiers L2 (host memory) and L3 (disk)."""
     nats_url: str = "nats://127.0.0.1:4222"
+    nats: NatsAuth = field(default_factory=NatsAuth, metadata={"prefix": "nats_"})   # identity, TLS
     instance_id: str = field(default="", metadata={"help": "default: generated"})
     host_cache_mb: float = field(default=1024, metadata={"help": "L2 budget (0: no host tier)"})
     disk_cache_mb: float = field(default=4096, metadata={"help": "L3 budget (0: no disk tier)"})

@@ -60,7 +60,8 @@ class KvstoreService:
         self.cfg = cfg
         self.iid = cfg.instance_id or new_instance_id("kvstore")
         self.store = store or make_store(cfg)
-        self.rt = ServiceRuntime("kvstore", self.iid, cfg.nats_url, stats=self.stats)
+        self.rt = ServiceRuntime("kvstore", self.iid, cfg.nats_url, stats=self.stats,
+                                 auth=cfg.nats)
         self.io = ThreadPoolExecutor(1, thread_name_prefix="store")
         self.loads: dict[str, tuple[float, list[BlockData]]] = {}
         self.counters = {"lookups": 0, "lookup_keys": 0, "lookup_hits": 0, "fetches": 0,
