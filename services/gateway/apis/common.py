@@ -110,8 +110,7 @@ async def run(gw: Gateway, request: web.Request, parse: Callable[[bytes, Any], J
               id_prefix: str) -> web.StreamResponse:
     """Read, translate (gw.prepare: off the event loop), dispatch, answer; decode is told
     to abort whatever did not finish (client gone, error, timeout)."""
-    if gw.draining:
-        raise OpenAIError(503, "the gateway is shutting down", code="shutting_down")
+    gw.admit()               # 503 while draining, 429 + Retry-After past the in-flight cap
     arrival = time.monotonic()
     gw.in_flight += 1
     try:
@@ -120,7 +119,7 @@ async def run(gw: Gateway, request: web.Request, parse: Callable[[bytes, Any], J
         rid = f"{id_prefix}_{uuid.uuid4().hex}"
         p = job.prep
         d = await gw.client.submit(rid, p.prompt_ids, p.params, p.constraint,
-                                   p.options.force_path)
+                                   p.options.force_path, gw.cache_salt(request, p))
         gw.metrics.placements.inc(placement=d.path.value)
         ans = Answer(p, d, arrival, gw.metrics, gw.token_text, rid)
         reason = "client"

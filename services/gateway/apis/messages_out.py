@@ -36,7 +36,7 @@ def error_body(e: OpenAIError) -> dict:
 
 def error_response(e: OpenAIError) -> web.Response:
     return web.Response(status=e.status, body=P.dumps(error_body(e)),
-                        content_type="application/json")
+                        content_type="application/json", headers=getattr(e, "headers", None))
 
 
 def tool_use_id(call_id: str) -> str:
