@@ -123,9 +123,7 @@ def parse_messages(body: bytes, spec: ModelSpec) -> Job:
     try:
         prep = prepare_chat(chat, spec)
     except OpenAIError as e:
-        raise OpenAIError(e.status, e.message.replace("'response_format'",
-                                                      "'output_config.format'"),
-                          e.param, code=e.code, type=e.type) from None
+        raise _renamed(e) from None
     if prefill:
         prep = _continue(prep, prefill, spec, req.max_tokens)
     return Job(prep, bool(req.stream), Ctx(stop_sequences=tuple(req.stop_sequences or ())))
@@ -144,6 +142,17 @@ def _format(config: OutputConfig | None) -> P.ResponseFormat | None:
                           "output_config.format.schema")
     return P.ResponseFormat(type="json_schema",
                             json_schema=P.JsonSchemaFormat(name="output", schema_=fmt.schema_))
+
+
+def _renamed(e: OpenAIError) -> OpenAIError:
+    """A chat-path error in Messages terms (the fields Anthropic names differently)."""
+    message, param = e.message, e.param
+    for old, new in (("'response_format'", "'output_config.format'"),
+                     ("'stop'", "'stop_sequences'")):
+        message = message.replace(old, new)
+    if param in ("response_format", "stop"):
+        param = {"response_format": "output_config.format", "stop": "stop_sequences"}[param]
+    return OpenAIError(e.status, message, param, code=e.code, type=e.type)
 
 
 def _check(req: MessagesRequest) -> None:
