@@ -2,7 +2,9 @@
 `main` every service's `python -m services.<name>` runs.
 
 A dataclass field `foo_bar` is the flag `--foo-bar` and the env var `PDMESH_FOO_BAR`;
-bools are `--foo-bar/--no-foo-bar`. Help text comes from field metadata["help"]. A field
+bools are `--foo-bar/--no-foo-bar`. Help text comes from field metadata["help"]. A str
+field with metadata["repeat"] takes its flag several times (joined with commas, like its
+comma-separated env var: `--api-key a --api-key b` == `PDMESH_API_KEY=a,b`). A field
 whose value is itself a settings dataclass (the engine's settings in decode and prefill,
 a service's test-only faults) is flattened: its fields become flags of the service, named
 with the field's metadata["prefix"] ("" for the engine, "fault_" for faults), and its
@@ -31,6 +33,7 @@ class Setting:
     path: tuple[str, ...]           # attribute path in the config object
     type: Any
     help: str
+    repeat: bool = False            # a repeatable flag, joined with "," (str fields)
 
 
 def env_name(field: str) -> str:
@@ -70,7 +73,8 @@ def settings_of(cls: type, prefix: str = "", path: tuple[str, ...] = ()) -> Iter
         if _nested(f, tp):
             yield from settings_of(tp, prefix + f.metadata["prefix"], (*path, f.name))
         else:
-            yield Setting(prefix + f.name, (*path, f.name), tp, f.metadata.get("help", ""))
+            yield Setting(prefix + f.name, (*path, f.name), tp, f.metadata.get("help", ""),
+                          bool(f.metadata.get("repeat")))
 
 
 def field_names(cls: type) -> set[str]:
@@ -95,6 +99,9 @@ def parser_for(cls: type, prog: str | None = None) -> argparse.ArgumentParser:
         if s.type is bool:
             ap.add_argument(flag_name(s.name), dest=s.name, action=argparse.BooleanOptionalAction,
                             default=None, help=help_)
+        elif s.repeat:
+            ap.add_argument(flag_name(s.name), dest=s.name, action="append", default=None,
+                            help=help_ + " (repeatable)")
         else:
             ap.add_argument(flag_name(s.name), dest=s.name, type=_caster(s.type), default=None,
                             help=help_)
@@ -130,7 +137,8 @@ def load(cls: type[T], argv: list[str] | None = None, prog: str | None = None) -
     values: dict[str, Any] = {}
     for s in settings_of(cls):
         if args.get(s.name) is not None:
-            values[s.name] = args[s.name]
+            v = args[s.name]
+            values[s.name] = ",".join(v) if isinstance(v, list) else v
         elif env_name(s.name) in os.environ:
             values[s.name] = _caster(s.type)(os.environ[env_name(s.name)])
     return build(cls, values)

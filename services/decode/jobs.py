@@ -10,7 +10,7 @@ from shared.contracts.messages import DecodeSubmit, KvDestination, PrefillJob
 
 # fields of DecodeSubmit that PrefillJob must carry unchanged
 CARRIED = ("request_id", "prompt_ids", "params", "constraint", "tokenizer_fingerprint",
-           "resume_from")
+           "resume_from", "cache_salt")
 
 
 def make_prefill_job(sub: DecodeSubmit, dest: KvDestination, model: str,
@@ -19,5 +19,5 @@ def make_prefill_job(sub: DecodeSubmit, dest: KvDestination, model: str,
         request_id=sub.request_id, prompt_ids=sub.prompt_ids, params=sub.params,
         constraint=sub.constraint,
         tokenizer_fingerprint=sub.tokenizer_fingerprint, resume_from=sub.resume_from,
-        model=model, block_size=block_size,
+        cache_salt=sub.cache_salt, model=model, block_size=block_size,
         dest=dest, issued_at=time.time())

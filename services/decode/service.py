@@ -43,6 +43,7 @@ from shared.jobqueue import ensure_stream
 from shared.kv.nats_transport import NatsKvTransport
 from shared.kv.writeback import WriteBack
 from shared.kvstore_client import KvstoreClient
+from shared.precompile import precompile
 from shared.service import ServiceError, ServiceRuntime, new_instance_id
 
 from . import inject
@@ -189,6 +190,7 @@ class DecodeService:
         slots = None
         try:
             self.engine.check_request(sub.prompt_ids, sub.params)
+            await precompile(self.engine, sub.constraint)   # off the loop, outside the lock
             if self.choose_path(sub) is Path.PD:
                 slots = await self._reserve(sub)
                 self.table.admit_remote(rid, slots.dest, slots.epochs, slots.held,
@@ -222,15 +224,17 @@ class DecodeService:
 
     def _admit_local(self, sub: DecodeSubmit, fields: dict) -> None:
         self.engine.add_request(sub.request_id, sub.prompt_ids, sub.params,
-                                constraint=sub.constraint, replay=sub.resume_from)
+                                constraint=sub.constraint, replay=sub.resume_from,
+                                cache_salt=sub.cache_salt)
         self.table.admit_local(sub.request_id, path=Path.COLOCATED, **fields)
 
     async def _reserve(self, sub: DecodeSubmit) -> Slots:
         tier = 0
         if self.cfg.kvstore and self.kvc is not None:
-            tier = await self.kvc.lookup(self.engine.prefix_keys(sub.prompt_ids))
+            tier = await self.kvc.lookup(self.engine.prefix_keys(sub.prompt_ids, sub.cache_salt))
         slots = self.slots.reserve(sub.request_id, sub.prompt_ids, sub.params, sub.constraint,
-                                   tier, self.table.stats()["awaiting_kv"], sub.resume_from)
+                                   tier, self.table.stats()["awaiting_kv"], sub.resume_from,
+                                   sub.cache_salt)
         if slots.load is not None:
             self.rt.spawn(self.kvc.load(self.engine, slots.load))
         return slots
@@ -253,7 +257,8 @@ class DecodeService:
             return sub.force_path
         if self.cfg.mode != "auto":
             return Path(self.cfg.mode)
-        uncached = len(sub.prompt_ids) - self.engine.cached_prefix_tokens(sub.prompt_ids)
+        uncached = len(sub.prompt_ids) - self.engine.cached_prefix_tokens(sub.prompt_ids,
+                                                                          sub.cache_salt)
         pd = self.prefill_alive() and uncached >= self.cfg.min_pd_prompt_tokens
         return Path.PD if pd else Path.COLOCATED
 

@@ -45,13 +45,15 @@ class KvSlots:
         self.max_held = max_held or engine.cfg.max_num_seqs * 4
 
     def reserve(self, rid: str, prompt_ids: list[int], params, constraint=None,
-                tier_blocks: int = 0, held_now: int = 0, replay: int = 0) -> Slots:
+                tier_blocks: int = 0, held_now: int = 0, replay: int = 0,
+                cache_salt: str = "") -> Slots:
         """Raises NoFreeBlocks when short (or too many requests await KV)."""
         eng = self.engine
         if len(eng.scheduler.running) + held_now >= self.max_held:
             raise NoFreeBlocks("too many requests awaiting KV")
         reserve = len(prompt_ids) + (params.max_tokens if eng.cfg.deterministic else 0)
-        seq, load = eng.hold(rid, prompt_ids, params, constraint, tier_blocks, reserve, replay)
+        seq, load = eng.hold(rid, prompt_ids, params, constraint, tier_blocks, reserve, replay,
+                             cache_salt)
         with eng.lock:
             skip = seq.num_cached // eng.cfg.block_size
             dest = seq.block_table[skip:eng.pool.blocks_for(len(prompt_ids))]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from shared.engine.prefix import block_keys, prefix_salt
+from shared.engine.prefix import block_keys, prefix_salt, salted
 
 _SALT = prefix_salt("gateway-affinity")
 
@@ -23,21 +23,22 @@ class PrefixAffinity:
         self.max_entries = max_entries
         self._owner: OrderedDict[bytes, str] = OrderedDict()
 
-    def _keys(self, prompt_ids: list[int]) -> list[bytes]:
-        return block_keys(prompt_ids, self.granularity, _SALT)
+    def _keys(self, prompt_ids: list[int], cache_salt: str = "") -> list[bytes]:
+        return block_keys(prompt_ids, self.granularity, salted(_SALT, cache_salt))
 
-    def best(self, prompt_ids: list[int]) -> dict[str, int]:
-        """instance -> prompt tokens of its longest known leading prefix."""
+    def best(self, prompt_ids: list[int], cache_salt: str = "") -> dict[str, int]:
+        """instance -> prompt tokens of its longest known leading prefix, among requests
+        with the same cache_salt (the tenant's: routing never hints at another's prompts)."""
         out: dict[str, int] = {}
-        for i, k in enumerate(self._keys(prompt_ids)):
+        for i, k in enumerate(self._keys(prompt_ids, cache_salt)):
             owner = self._owner.get(k)
             if owner is None:
                 break
             out[owner] = (i + 1) * self.granularity
         return out
 
-    def record(self, prompt_ids: list[int], instance: str) -> None:
-        for k in self._keys(prompt_ids):
+    def record(self, prompt_ids: list[int], instance: str, cache_salt: str = "") -> None:
+        for k in self._keys(prompt_ids, cache_salt):
             self._owner[k] = instance
             self._owner.move_to_end(k)
         while len(self._owner) > self.max_entries:

@@ -25,10 +25,11 @@ from shared.contracts.common import ErrorCode
 from shared.contracts.messages import Heartbeat
 from shared.service import ServiceRuntime
 
-from . import protocol as P
+from . import auth, limits, protocol as P
 from .apis.routes import add_routes, api_error_response
 from .config import GatewayConfig
 from .dispatch import ClientGone, DecodeClient
+from .grammar_check import GrammarGuard, deferred
 from .metrics import CONTENT_TYPE, Metrics
 from .model import ModelSpec
 from .protocol import OpenAIError, overloaded
@@ -57,6 +58,9 @@ class Gateway:
         self._cpu = ThreadPoolExecutor(1, thread_name_prefix="gateway-tokenize")
         self.token_text: Callable[[int], str] = lru_cache(maxsize=1 << 16)(
             lambda t: spec.tokenizer.decode([t]))
+        self.keys = auth.KeyRing(auth.parse_keys(cfg.api_key, cfg.api_key_file))
+        self.grammar = GrammarGuard(cfg.model, spec.vocab_size, cfg.grammar_timeout_s)
+        self.body_limit = cfg.max_body_bytes     # and at most NATS max_payload, once connected
 
     async def start(self) -> None:
         await self.runtime.start()
@@ -67,7 +71,13 @@ class Gateway:
                                    max_migrations=self.cfg.max_migrations,
                                    progress_timeout_s=self.cfg.progress_timeout_s)
         await self.client.start()
+        self.body_limit = limits.body_limit(self.cfg.max_body_bytes, self.runtime.nc.max_payload)
+        self.runtime.spawn(self.grammar.warm())
         self.runtime.spawn(self.runtime.run(heartbeat=self._heartbeat))
+        if self.keys.enabled:
+            log.info("API keys: %d configured; /v1/* needs one", len(self.keys))
+        else:
+            log.warning("NO API KEY configured: this gateway serves anyone who reaches it")
         log.info("gateway %s serving %s (context %d) via %s", self.cfg.instance_id,
                  self.spec.name, self.spec.max_model_len, self.cfg.nats_url)
 
@@ -88,9 +98,21 @@ class Gateway:
     async def close(self) -> None:
         await self.runtime.close()
         self._cpu.shutdown(wait=False, cancel_futures=True)
+        self.grammar.close()
 
     async def prepare(self, parse: Callable[[bytes, ModelSpec], Prepared], body: bytes) -> Prepared:
-        return await asyncio.get_running_loop().run_in_executor(self._cpu, parse, body, self.spec)
+        """parse(body, spec) on the tokenizer thread; its grammars are then compiled with a
+        time limit on grammar_check's threads (the tokenizer thread never waits on one)."""
+        out, pending = await asyncio.get_running_loop().run_in_executor(
+            self._cpu, deferred, parse, body, self.spec)
+        if pending:
+            await self.grammar.check(pending)
+        return out
+
+    def cache_salt(self, request: web.Request, prep: Prepared) -> str:
+        """The request's prefix-cache salt: its API key's tenant and its own cache_salt."""
+        return auth.cache_salt(request.get(auth.TENANT, ""), prep.options.cache_salt,
+                               self.cfg.shared_prefix_cache)
 
     def admit(self) -> None:
         """Raise unless a new request may start now: 503 while draining, 429 (with
@@ -110,7 +132,9 @@ class Gateway:
         return {"in_flight": self.in_flight, "requests": int(self.metrics.requests.total()),
                 "failures": int(self.metrics.failures.total()),
                 "decode_instances": len(self.registry.alive(time.monotonic())),
-                "draining": self.draining}
+                "draining": self.draining, "auth": self.keys.enabled,
+                "invalid_heartbeats": self.registry.invalid,
+                **{f"grammar_{k}": n for k, n in self.grammar.counts.items()}}
 
     def _heartbeat(self) -> Heartbeat:
         return Heartbeat(service="gateway", instance_id=self.cfg.instance_id, model=self.spec.name,
@@ -125,7 +149,9 @@ def create_app(cfg: GatewayConfig, spec: ModelSpec | None = None) -> web.Applica
     """The aiohttp application; NATS is connected on startup and drained on cleanup.
     `spec` defaults to ModelSpec.load(cfg) (tokenizer + config.json of cfg.model)."""
     gw = Gateway(cfg, spec or ModelSpec.load(cfg))
-    app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[_errors])
+    app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[
+        _errors, auth.middleware(gw.keys, cfg.open_metrics),
+        limits.body_middleware(lambda: gw.body_limit)])
     app[GATEWAY] = gw
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
@@ -168,7 +194,7 @@ async def _generate(request: web.Request, parse, id_prefix: str) -> web.StreamRe
         prep = await gw.prepare(parse, body)
         rid = f"{id_prefix}-{uuid.uuid4().hex}"
         d = await gw.client.submit(rid, prep.prompt_ids, prep.params, prep.constraint,
-                                   prep.options.force_path)
+                                   prep.options.force_path, gw.cache_salt(request, prep))
         gw.metrics.placements.inc(placement=d.path.value)
         return await answer(request, gw.client, d, prep, rid, arrival, gw.metrics, gw.token_text)
     finally:
@@ -299,9 +325,7 @@ def _http_error(e: web.HTTPException, request: web.Request) -> OpenAIError:
                                 f"{f' (allowed: {allowed})' if allowed else ''}",
                            code="method_not_allowed")
     if e.status == 413:
-        limit = request.app[GATEWAY].cfg.max_body_bytes
-        return OpenAIError(413, f"request body is larger than {limit} bytes",
-                           code="request_too_large")
+        return limits.too_large(request.app[GATEWAY].body_limit)
     return OpenAIError(e.status, e.reason or str(e))
 
 
@@ -324,9 +348,11 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
     except (ConnectionError, asyncio.CancelledError):
         counter.inc(path=route, status="499")
         raise
-    except Exception as e:  # noqa: BLE001 - a bug here; the client still gets a JSON error
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        resp = _error_response(request, OpenAIError(500, f"internal error in the gateway: {e!r}",
-                                                    code="internal"))
+    except Exception:  # noqa: BLE001 - a bug here; the client still gets a JSON error
+        ref = uuid.uuid4().hex[:12]     # the log has the traceback; the client, a reference
+        log.exception("unhandled error on %s %s (reference %s)", request.method, request.path,
+                      ref)
+        resp = _error_response(request, OpenAIError(500, f"internal error in the gateway "
+                                                         f"(reference {ref})", code="internal"))
     counter.inc(path=route, status=str(resp.status))
     return resp

@@ -57,6 +57,24 @@ class GatewayConfig:
     progress_timeout_s: float = field(default=60.0, metadata=_help(
         "a request that gets no chunk for this long is treated like one whose decode "
         "instance was lost (migrated)"))
+    api_key: str = field(default="", metadata={"repeat": True, "help": (
+        "API key clients must send (Authorization: Bearer KEY, or x-api-key: KEY) on /v1/*, "
+        "/tokenize, /detokenize and /metrics; repeat the flag or comma-separate for several "
+        "keys (each key is its own tenant of the prefix cache). No key at all (here or in "
+        "api_key_file): the gateway is OPEN to anyone who reaches its port")})
+    api_key_file: str = field(default="", metadata=_help(
+        "file with API keys, one per line (# comments), added to api_key; keeps keys out "
+        "of the process list"))
+    shared_prefix_cache: bool = field(default=False, metadata=_help(
+        "let every API key share prefix-cache blocks (default: each key's prompts are "
+        "cached apart: one tenant never hits, nor times, another's prefix)"))
+    open_metrics: bool = field(default=False, metadata=_help(
+        "serve /metrics without an API key (for a scraper on a private network); by "
+        "default it needs one whenever keys are configured"))
+    grammar_timeout_s: float = field(default=5.0, metadata=_help(
+        "a tools / response_format schema that takes longer to compile for constrained "
+        "decoding is refused (400 schema_too_complex); compiled on the gateway's grammar "
+        "threads, off the event loop and the tokenizer thread"))
     max_in_flight: int = field(default=0, metadata=_help(
         "requests in flight beyond this get 429 with Retry-After (0: 1.5 times what the "
         "live decode instances batch at once, from their heartbeats)"))
@@ -82,5 +100,7 @@ class GatewayConfig:
                              f"{self.responses_store_size}")
         if self.default_max_tokens < 0:
             raise ValueError(f"default_max_tokens must be >= 0, got {self.default_max_tokens}")
+        if self.grammar_timeout_s <= 0:
+            raise ValueError(f"grammar_timeout_s must be > 0, got {self.grammar_timeout_s}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")

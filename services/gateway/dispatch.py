@@ -45,6 +45,7 @@ from shared.contracts.sampling import SamplingParams
 from shared.service import ServiceError, decode_reply
 
 from .affinity import PrefixAffinity
+from .limits import check_fits
 from .protocol import OpenAIError, overloaded
 from .registry import Registry
 
@@ -77,6 +78,7 @@ class Submission:
     force_path: Path | None
     tried: set[str] = field(default_factory=set)   # instances it was sent to
     resume_from: int = 0       # migration: trailing prompt tokens that are output so far
+    cache_salt: str = ""       # the tenant's prefix-cache salt (auth.cache_salt)
 
 
 @dataclass(slots=True)
@@ -163,11 +165,13 @@ class DecodeClient:
 
     # ---- submit ------------------------------------------------------------------------
     async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                     constraint: Constraint, force_path: str | None = None) -> Dispatch:
+                     constraint: Constraint, force_path: str | None = None,
+                     cache_salt: str = "") -> Dispatch:
         if params.seed is None:
             params = msgspec.structs.replace(params, seed=self._rng.getrandbits(63))
         return await self._send(Submission(request_id, prompt_ids, params, constraint,
-                                           Path(force_path) if force_path else None))
+                                           Path(force_path) if force_path else None,
+                                           cache_salt=cache_salt))
 
     async def redispatch(self, d: Dispatch) -> Dispatch | None:
         """d was aborted for an acceptance anomaly: the same submission to an instance
@@ -199,7 +203,8 @@ class DecodeClient:
                                          min_tokens=max(0, p.min_tokens - n))
         sub = Submission(origin.request_id, origin.prompt_ids + list(output_ids), params,
                          origin.constraint, origin.force_path,
-                         tried=set(d.sub.tried) | {d.instance}, resume_from=n)
+                         tried=set(d.sub.tried) | {d.instance}, resume_from=n,
+                         cache_salt=origin.cache_salt)
         await self.abort(d, f"migrated_{reason}")     # if it still lives, it stops
         self.release(d)
         try:
@@ -215,7 +220,7 @@ class DecodeClient:
         on to the next (under a fresh request id)."""
         tried = sub.tried
         reasons: list[str] = []
-        cached = self.affinity.best(sub.prompt_ids)
+        cached = self.affinity.best(sub.prompt_ids, sub.cache_salt)
         await self._until_sighted(tried)
         while (inst := self.registry.choose(self.clock(), tried, cached)) is not None:
             rid = sub.request_id if not tried else f"{sub.request_id}.{len(tried)}"
@@ -227,13 +232,14 @@ class DecodeClient:
                 ack = await self._submit(inst, rid, sub)
             except BaseException:
                 self.registry.sent(inst, -1)
+                self.queues.pop(rid, None)     # whatever went wrong, nothing stays behind
                 raise
             if isinstance(ack, str):
                 self.registry.sent(inst, -1)
                 reasons.append(ack)
                 continue
             self.routed_warm += cached.get(inst, 0) > 0
-            self.affinity.record(sub.prompt_ids, inst)
+            self.affinity.record(sub.prompt_ids, inst, sub.cache_salt)
             return Dispatch(rid, inst, ack.path, queue, sub, progress_at=self.clock())
         if reasons and all(ErrorCode.OVERLOADED.value in r for r in reasons):
             raise overloaded("every decode instance refused: " + "; ".join(reasons))
@@ -250,9 +256,12 @@ class DecodeClient:
         msg = DecodeSubmit(request_id=rid, prompt_ids=sub.prompt_ids, params=sub.params,
                            constraint=sub.constraint, tokenizer_fingerprint=self.fingerprint,
                            reply_subject=self.reply_subject, force_path=sub.force_path,
-                           gateway=self.instance_id, resume_from=sub.resume_from)
+                           gateway=self.instance_id, resume_from=sub.resume_from,
+                           cache_salt=sub.cache_salt)
+        data = encode(msg)
+        check_fits(len(data), getattr(self.nc, "max_payload", 0))
         try:
-            reply = await self.nc.request(subjects.decode_submit(inst), encode(msg),
+            reply = await self.nc.request(subjects.decode_submit(inst), data,
                                           timeout=self.submit_timeout_s)
             return decode_reply(reply.data, reply.headers, ACK)
         except ServiceError as e:

@@ -101,6 +101,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     return_token_ids: bool | None = None       # choices[].token_ids (vLLM's extension)
+    cache_salt: str | None = None              # vLLM's: only requests with the same salt
+    #                                            (and API key) share cached prefix blocks
     # pdmesh extension: force the placement ("pd" | "colocated"); default: decode decides
     pdmesh_path: str | None = None
 

@@ -9,11 +9,33 @@ ties broken by more free KV blocks, then by id.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
+from shared import subjects
 from shared.contracts.messages import Heartbeat
 
+log = logging.getLogger("pdmesh.gateway")
+
 FORGET_AFTER_S = 300.0   # drop instances silent this long from the books
+MAX_ID_CHARS = 128
+MAX_COUNT = 1 << 31      # a heartbeat's counts above this (or below 0) are not believed
+_COUNTS = ("running", "waiting", "queue_depth", "blocks_free", "blocks_used",
+           "blocks_quarantined", "capacity", "max_model_len")
+
+
+def heartbeat_problem(hb: Heartbeat) -> str | None:
+    """Why a decode heartbeat cannot be believed, or None. Its instance id must make a
+    valid subject token (shared/subjects.py's rule: it names the instance's subjects)."""
+    iid = hb.instance_id
+    if not iid or len(iid) > MAX_ID_CHARS:
+        return f"instance id of {len(iid)} characters"
+    try:
+        subjects.decode_submit(iid)
+    except ValueError:
+        return "instance id is not a subject token (lowercase letters, digits and _ only)"
+    bad = [n for n in _COUNTS if not 0 <= getattr(hb, n) < MAX_COUNT]
+    return f"counts out of range: {', '.join(bad)}" if bad else None
 
 
 @dataclass(slots=True)
@@ -32,10 +54,19 @@ class Registry:
         self.dead_after_s = dead_after_s
         self.fingerprint = fingerprint     # ours; instances with another one are not chosen
         self.instances: dict[str, Instance] = {}
+        self.invalid = 0                   # heartbeats ignored (heartbeat_problem)
+        self._logged: set[str] = set()     # bad ids already logged (bounded)
 
     # ---- books -----------------------------------------------------------------------
     def observe(self, hb: Heartbeat, now: float) -> None:
         if hb.service != "decode":
+            return
+        problem = heartbeat_problem(hb)
+        if problem is not None:
+            self.invalid += 1
+            if hb.instance_id not in self._logged and len(self._logged) < 1000:
+                self._logged.add(hb.instance_id)
+                log.warning("ignoring decode heartbeats from %r: %s", hb.instance_id[:80], problem)
             return
         self.instances[hb.instance_id] = Instance(hb, now)
         for iid in [i for i, inst in self.instances.items() if now - inst.seen > FORGET_AFTER_S]:

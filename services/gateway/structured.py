@@ -20,18 +20,25 @@ answers would have to use the deprecated `function_call` message field too).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
-from functools import lru_cache
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import msgspec
 
 from shared.contracts.constraint import Constraint, ConstraintKind
 
+from .limits import MAX_SCHEMA_CHARS, MAX_TOOLS, MAX_TOOLS_CHARS
 from .protocol import ChatCompletionRequest, OpenAIError
 
 log = logging.getLogger("pdmesh.gateway")
 
-MAX_TOOLS = 128                                   # OpenAI's limit
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")    # OpenAI's rule for function names
 TOOL_CHOICES = ("none", "auto", "required")
 # JSON nesting of one schema document (~30 levels of nested objects): xgrammar's compile time
@@ -167,7 +174,8 @@ def _response_format(rf) -> Constraint | None:
         _check_depth(rf.json_schema.schema_, "response_format.json_schema.schema")
         return Constraint(kind=ConstraintKind.JSON_SCHEMA,
                           json_schema=_canonical(rf.json_schema.schema_,
-                                                 "response_format.json_schema.schema"))
+                                                 "response_format.json_schema.schema",
+                                                 MAX_SCHEMA_CHARS))
     raise OpenAIError(400, f"'response_format.type' must be one of 'text', 'json_object', "
                            f"'json_schema'; got {rf.type[:80]!r}", "response_format.type")
 
@@ -185,32 +193,101 @@ def _check_depth(schema, param: str) -> None:
             stack.extend((v, depth + 1) for v in node)
 
 
-def _canonical(obj, param: str = "tools") -> str:
+def _canonical(obj, param: str = "tools", limit: int = MAX_TOOLS_CHARS) -> str:
+    """Compact JSON text, at most `limit` characters (checked before anything is cached)."""
     try:
-        return json.dumps(obj, **_CANON)
+        text = json.dumps(obj, **_CANON)
     except (RecursionError, ValueError, TypeError) as e:
         raise OpenAIError(400, f"'{param}' cannot be used: {type(e).__name__}: {e}",
                           param) from None
+    if len(text) > limit:
+        raise OpenAIError(400, f"'{param}' is too large: {len(text)} characters of compact "
+                               f"JSON, at most {limit}", param, code="schema_too_large")
+    return text
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarCheck:
+    """A constraint whose grammar is still to be compiled (grammar_check.GrammarGuard)."""
+    constraint: Constraint = field(repr=False)
+    key: bytes                  # its digest: the verdict cache's key
+    param: str
+    prefix: bool
+
+
+_deferred = threading.local()
+_VERDICTS: OrderedDict[bytes, str | None] = OrderedDict()    # digest -> problem / None
+_VERDICTS_MAX = 4096
+_verdicts_lock = threading.Lock()
+
+
+@contextmanager
+def deferred_checks() -> Iterator[list[GrammarCheck]]:
+    """Within it (on this thread), a grammar check no verdict answers is collected instead
+    of run: the gateway compiles those off the parse thread, with a time limit."""
+    _deferred.checks = pending = []
+    try:
+        yield pending
+    finally:
+        _deferred.checks = None
+
+
+def constraint_key(c: Constraint) -> bytes:
+    return hashlib.blake2b(msgspec.json.encode(c), digest_size=16).digest()
+
+
+def verdict(key: bytes) -> str | None | bool:
+    """The cached problem of a constraint (None: fine), or False when not known."""
+    with _verdicts_lock:
+        if key not in _VERDICTS:
+            return False
+        _VERDICTS.move_to_end(key)
+        return _VERDICTS[key]
+
+
+def remember(key: bytes, problem: str | None) -> None:
+    with _verdicts_lock:
+        _VERDICTS[key] = problem[:1000] if problem else None
+        while len(_VERDICTS) > _VERDICTS_MAX:
+            _VERDICTS.popitem(last=False)
+
+
+def grammar_error(check: GrammarCheck, problem: str, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, f"'{check.param}' cannot be used: {problem}" if check.prefix
+                       else problem, check.param, code=code)
 
 
 def _check_grammar(c: Constraint, param: str, prefix: bool = False) -> None:
-    problem = _grammar_problem(c)
+    """The constraint's verdict, cached by digest (never by its text); unknown: compiled
+    later (deferred_checks) or built here (callers outside the gateway, tests)."""
+    check = GrammarCheck(c, constraint_key(c), param, prefix)
+    problem = verdict(check.key)
+    if problem is False:
+        pending = getattr(_deferred, "checks", None)
+        if pending is not None:
+            pending.append(check)
+            return
+        problem = grammar_problem(c)
+        remember(check.key, problem)
     if problem is not None:
-        raise OpenAIError(400, f"'{param}' cannot be used: {problem}" if prefix else problem,
-                          param)
+        raise grammar_error(check, problem)
 
 
-@lru_cache(maxsize=512)
-def _grammar_problem(c: Constraint) -> str | None:
-    """What build_grammar refuses in this constraint, or None (cached per constraint)."""
+def grammar_problem(c: Constraint, compile_=None) -> str | None:
+    """What refuses this constraint, or None: build_grammar, then compile_(c) when given
+    (a GrammarCompiler's: the whole work against the vocabulary)."""
     from shared.engine.grammar import ConstraintError, build_grammar
+    from shared.engine.grammar.build import xgrammar_message
     try:
         build_grammar(c)
+        if compile_ is not None:
+            compile_(c)
     except ConstraintError as e:
         return str(e)
     except RecursionError:
         return "the schema is nested too deeply for constrained decoding"
     except Exception as e:  # noqa: BLE001 - xgrammar refusing in a way we did not foresee
-        log.warning("grammar build failed unexpectedly for %s: %r", c.kind.value, e)
-        return f"the schema cannot be compiled for constrained decoding: {e}"
+        log.warning("grammar build failed unexpectedly for %s: %s", c.kind.value,
+                    type(e).__name__)
+        return f"the schema cannot be compiled for constrained decoding: {xgrammar_message(e)}"
     return None

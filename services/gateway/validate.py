@@ -18,6 +18,7 @@ import msgspec
 from shared.contracts.constraint import Constraint
 from shared.contracts.sampling import SamplingParams
 
+from .limits import check_cache_salt, check_logit_bias, check_stop
 from .model import ModelSpec
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, OpenAIError
 from .structured import TOOL_KINDS, tools_and_format
@@ -25,7 +26,6 @@ from .structured import TOOL_KINDS, tools_and_format
 log = logging.getLogger("pdmesh.gateway")
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 SEED_RANGE = (-(1 << 63), 1 << 64)
@@ -42,6 +42,7 @@ class Options:
     return_token_ids: bool = False
     force_path: str | None = None          # "pd" | "colocated"
     tool_calls: bool = False               # parse the output into tool_calls (chat, tools on)
+    cache_salt: str | None = None          # the body's own (vLLM's); see auth.cache_salt
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,9 +166,9 @@ def _check_common(req) -> None:
     if req.stream_options is not None and not req.stream:
         raise OpenAIError(400, "'stream_options' is only allowed when 'stream' is true",
                           "stream_options")
-    if isinstance(req.stop, list) and len(req.stop) > MAX_STOP:
-        raise OpenAIError(400, f"'stop' may hold at most {MAX_STOP} sequences, got "
-                               f"{len(req.stop)}", "stop")
+    check_stop(req.stop, req.stop_token_ids)
+    check_logit_bias(req.logit_bias)
+    check_cache_salt(req.cache_salt)
     if req.seed is not None and not SEED_RANGE[0] <= req.seed < SEED_RANGE[1]:
         raise OpenAIError(400, f"'seed' must fit in 64 bits, got {req.seed}", "seed")
 
@@ -366,7 +367,8 @@ def _options(req, spec: ModelSpec, chat: bool, logprobs: bool,
                           f"got {req.pdmesh_path!r}", "pdmesh_path")
     return Options(chat=chat, model=spec.name, stream=stream, include_usage=include_usage,
                    logprobs=logprobs, return_token_ids=bool(req.return_token_ids),
-                   force_path=req.pdmesh_path, tool_calls=tool_calls)
+                   force_path=req.pdmesh_path, tool_calls=tool_calls,
+                   cache_salt=req.cache_salt)
 
 
 def _or(value, default):

@@ -39,6 +39,7 @@ from shared.faults import require_allowed
 from shared.jobqueue import pull_subscription
 from shared.kv.nats_transport import NatsKvTransport
 from shared.kv.writeback import WriteBack
+from shared.precompile import precompile
 from shared.service import ServiceRuntime, new_instance_id
 
 from . import inject, layersplit
@@ -271,6 +272,7 @@ class PrefillService:
         kvc = self.kvc if self.cfg.kvstore else None
         tier, loader = await layersplit.lookup(
             self.group, kvc, self.engine.prefix_keys(job.prompt_ids, job.cache_salt))
+        await precompile(self.engine, job.constraint)   # off the loop, outside the lock
         fut = asyncio.get_running_loop().create_future()
         self.pending[local_id] = fut
         load = self.engine.add_request(local_id, job.prompt_ids, job.params, prefill_only=True,

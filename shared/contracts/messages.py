@@ -42,6 +42,8 @@ class DecodeSubmit(msgspec.Struct, frozen=True, kw_only=True):
     #                                   when it stops heartbeating (orphans)
     resume_from: int = 0              # migration: the last resume_from prompt tokens are
     #                                   output already streamed (the grammar replays them)
+    cache_salt: str = ""              # tenant of the prefix cache: mixed into every prefix
+    #                                   key (L1, L2, L3), so tenants never share KV blocks
 
 
 class SubmitAck(msgspec.Struct, frozen=True, kw_only=True):
@@ -73,6 +75,7 @@ class PrefillJob(msgspec.Struct, frozen=True, kw_only=True):
     dest: KvDestination
     issued_at: float = 0.0
     resume_from: int = 0              # DecodeSubmit.resume_from: the grammar replays them
+    cache_salt: str = ""              # DecodeSubmit.cache_salt: prefill's prefix keys too
 
 
 class PrefillStatus(str, enum.Enum):

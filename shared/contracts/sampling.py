@@ -36,16 +36,18 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
             raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 <= self.top_k < 1 << 31:
+            raise ValueError(f"top_k must be in [0, 2^31) (0 disables it), got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not -2.0 <= v <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {v}")
-        if self.repetition_penalty <= 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        # bounded both ways (NaN fails every comparison): logits / or * it stay finite
+        if not 0.01 <= self.repetition_penalty <= 100.0:
+            raise ValueError(f"repetition_penalty must be in [0.01, 100], got "
+                             f"{self.repetition_penalty}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not 0 <= self.min_tokens <= self.max_tokens:

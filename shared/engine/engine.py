@@ -126,11 +126,11 @@ class LLMEngine:
         return self._grammar
 
     # ---- prefix cache (prefix_cache.py) ---------------------------------------------
-    def prefix_keys(self, prompt_ids: list[int]) -> list[bytes]:
-        return self.prefix.keys(prompt_ids)
+    def prefix_keys(self, prompt_ids: list[int], cache_salt: str = "") -> list[bytes]:
+        return self.prefix.keys(prompt_ids, cache_salt)
 
-    def cached_prefix_tokens(self, prompt_ids: list[int]) -> int:
-        return self.prefix.cached_tokens(prompt_ids)
+    def cached_prefix_tokens(self, prompt_ids: list[int], cache_salt: str = "") -> int:
+        return self.prefix.cached_tokens(prompt_ids, cache_salt)
 
     def write_loaded_layer(self, load: LayerLoad, layer: int, data: torch.Tensor,
                            b0: int = 0) -> bool:
@@ -178,13 +178,14 @@ class LLMEngine:
         return seq
 
     def add_request(self, request_id: str, prompt_ids: list[int], params,
-                    prefill_only: bool = False, constraint=None,
+                    prefill_only: bool = False, constraint=None, cache_salt: str = "",
                     tier_blocks: int = 0, replay: int = 0) -> LayerLoad | None:
-        """tier_blocks: how many leading blocks of prefix_keys(prompt) a lower tier holds.
+        """tier_blocks: how many leading blocks of prefix_keys(prompt, cache_salt) a lower
+        tier holds (cache_salt: the tenant, whose prefix keys are its own).
         Returns the LayerLoad the caller must fill (blocks beyond the L1 hit), or None."""
         with self.lock:
             seq = self._new_seq(request_id, prompt_ids, params, constraint, replay)
-            seq.stop_after_prefill = prefill_only
+            seq.stop_after_prefill, seq.cache_salt = prefill_only, cache_salt
             load = self.prefix.attach(seq, tier_blocks)
             self.scheduler.add(seq)
             return load
@@ -208,7 +209,7 @@ class LLMEngine:
 
     # ---- held sequences (KV filled from outside) ----------------------------------
     def hold(self, request_id: str, prompt_ids: list[int], params, constraint=None,
-             tier_blocks: int = 0, reserve_tokens: int = 0, replay: int = 0
+             tier_blocks: int = 0, reserve_tokens: int = 0, replay: int = 0, cache_salt: str = ""
              ) -> tuple[Sequence, LayerLoad | None]:
         """A sequence with blocks for max(reserve_tokens, prompt) tokens, not scheduled:
         its leading seq.num_cached prompt tokens come from the prefix cache (L1, or the
@@ -216,6 +217,7 @@ class LLMEngine:
         when short (nothing is kept)."""
         with self.lock:
             seq = self._new_seq(request_id, prompt_ids, params, constraint, replay)
+            seq.cache_salt = cache_salt
             load = self.prefix.attach(seq, tier_blocks)
             need = self.pool.blocks_for(max(reserve_tokens, len(prompt_ids))) - len(seq.block_table)
             try:

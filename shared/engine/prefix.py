@@ -3,7 +3,9 @@
 Block i's key hashes the key of block i-1 and the token ids of block i, so a key names
 the whole prefix up to and including its block (like vLLM's and SGLang's prefix caches).
 The chain starts from a salt that names the model, its tokenizer, the KV dtype and the
-block size: two models (or two precisions) never share an entry.
+block size: two models (or two precisions) never share an entry. A request's cache salt
+(its tenant, DecodeSubmit.cache_salt) is mixed into that start (`salted`), so two
+tenants' keys for the same tokens differ in every block: no tier can match across them.
 """
 from __future__ import annotations
 
@@ -15,6 +17,14 @@ KEY_BYTES = 16
 
 def prefix_salt(*parts: str) -> bytes:
     return hashlib.blake2b("\x1f".join(parts).encode(), digest_size=KEY_BYTES).digest()
+
+
+def salted(salt: bytes, cache_salt: str) -> bytes:
+    """The chain's start for one tenant: `salt` itself when cache_salt is empty."""
+    if not cache_salt:
+        return salt
+    return hashlib.blake2b(salt + b"\x1ftenant\x1f" + cache_salt.encode(),
+                           digest_size=KEY_BYTES).digest()
 
 
 def block_keys(token_ids: list[int], block_size: int, salt: bytes,

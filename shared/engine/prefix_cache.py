@@ -18,7 +18,7 @@ import torch
 from .block_pool import BlockPool, NoFreeBlocks
 from .config import EngineConfig
 from .layer_load import LayerLoad
-from .prefix import block_keys
+from .prefix import block_keys, salted
 from .scheduler import Scheduled, cancel_load
 from .sequence import Sequence
 
@@ -35,21 +35,22 @@ class PrefixCache:
         self.counters = counters
         self.last_load: dict = {}       # timeline of the latest completed layer-wise load
 
-    def keys(self, prompt_ids: list[int]) -> list[bytes]:
-        """Keys of the prompt's blocks that may be shared (with L1 or a lower tier)."""
+    def keys(self, prompt_ids: list[int], cache_salt: str = "") -> list[bytes]:
+        """Keys of the prompt's blocks that may be shared (with L1 or a lower tier), within
+        one tenant: cache_salt (DecodeSubmit.cache_salt) starts the chain."""
         bs, C, n = self.cfg.block_size, self.cfg.chunk_size, len(prompt_ids)
         if self.cfg.deterministic:   # only whole chunks: their KV does not depend on the split
             nb = 0 if C % bs else (n // C) * C // bs
         else:
             nb = n // bs
-        return block_keys(prompt_ids, bs, self.salt, nb)
+        return block_keys(prompt_ids, bs, salted(self.salt, cache_salt), nb)
 
-    def cached_tokens(self, prompt_ids: list[int]) -> int:
+    def cached_tokens(self, prompt_ids: list[int], cache_salt: str = "") -> int:
         """Prompt tokens an L1 hit would serve right now (a peek: nothing is taken)."""
         with self.lock:
             if not self.cfg.prefix_cache:
                 return 0
-            hit = len(self.pool.match(self.keys(prompt_ids)))
+            hit = len(self.pool.match(self.keys(prompt_ids, cache_salt)))
             return self.usable(hit, len(prompt_ids)) * self.cfg.block_size
 
     def usable(self, nblocks: int, prompt_len: int) -> int:
@@ -66,7 +67,7 @@ class PrefixCache:
         for a lower tier's longer prefix, to be filled by the returned LayerLoad."""
         seq.block_table, seq.num_registered = [], 0
         seq.num_computed = seq.num_l1 = seq.num_cached = seq.draft_computed = 0
-        seq.keys = self.keys(seq.prompt_ids)
+        seq.keys = self.keys(seq.prompt_ids, seq.cache_salt)
         self.counters["prompt_tokens"] += len(seq.prompt_ids)
         if not seq.keys:
             return None

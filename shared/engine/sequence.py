@@ -41,6 +41,7 @@ class Sequence:
     num_l1: int = 0
     num_cached: int = 0
     load: object = None                # layer_load.LayerLoad while lower-tier KV arrives
+    cache_salt: str = ""               # tenant: starts the chain of its prefix keys
     # speculative decoding: positions whose draft KV this sequence computed (it never
     # trusts draft KV it did not compute: cached, loaded and remote blocks hold target KV
     # only), and cumulative counts of verification steps, drafts proposed and accepted
