@@ -164,7 +164,9 @@ GRANTS: tuple[Grant, ...] = (
     Grant("kvstore_lookup", pub=("decode", "prefill"), sub=("kvstore",)),
     Grant("kvstore_fetch", pub=("decode", "prefill"), sub=("kvstore",)),
     Grant("kvstore_layer", (ANY,), pub=("decode", "prefill"), sub=("kvstore",)),
-    Grant("kvstore_put", pub=("prefill",), sub=("kvstore",)),       # only prefill writes
+    # only who computed the KV writes it: prefill, and decode for prompts it computed
+    # itself (colocated; shared/kv/writeback.py)
+    Grant("kvstore_put", pub=("prefill", "decode"), sub=("kvstore",)),
     # each service answers its own health; its container's health check asks it
     *(Grant("health", (s, ANY), pub=(s, DEBUG), sub=(s,)) for s in IDENTITIES),
     # a heartbeat comes only from its own service

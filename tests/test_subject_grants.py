@@ -79,7 +79,8 @@ def test_grants_are_least_privilege():
     assert S.pattern("decode_kv", S.ANY) in S.permissions("prefill")["publish"]
     for user in ("gateway", "decode", "kvstore", S.DEBUG):
         assert S.pattern("decode_kv", S.ANY) not in S.permissions(user)["publish"]
-    assert [u for u in USERS if S.kvstore_put() in S.permissions(u)["publish"]] == ["prefill"]
+    writers = [u for u in USERS if S.kvstore_put() in S.permissions(u)["publish"]]
+    assert writers == ["decode", "prefill"]      # who computes KV (decode: colocated prompts)
 
 
 def test_generated_server_config_is_valid(tmp_path):

@@ -33,7 +33,7 @@ ATTACKS = {
     S.decode_abort("decode_0"): {"gateway"},           # aborting anyone's request
     S.decode_submit("decode_0"): {"gateway"},
     S.gateway_tokens("gateway_0"): {"decode"},         # injecting tokens into a stream
-    S.kvstore_put(): {"prefill"},                      # poisoning the cache tiers
+    S.kvstore_put(): {"prefill", "decode"},            # poisoning the cache tiers
     S.prefill_jobs(): {"decode"},
     S.prefill_reclaim("prefill_0"): {"decode"},
     **{S.heartbeat(s): {s} for s in S.IDENTITIES},     # forged load reports
@@ -42,7 +42,7 @@ ATTACKS = {
 # reading what is not yours: the other services' traffic, their replies, everything
 SNOOPS = {
     "gateway": [S.pattern("decode_kv", S.ANY), S.kvstore_put(), "_INBOX.decode.>", "pdmesh.>"],
-    "decode": [S.kvstore_put(), S.pattern("decode_kv", S.ANY) + ".x", "_INBOX.prefill.>", ">"],
+    "decode": [S.kvstore_put(), S.pattern("gateway_tokens", S.ANY), "_INBOX.prefill.>", ">"],
     "prefill": [S.pattern("decode_submit", S.ANY), S.pattern("gateway_tokens", S.ANY),
                 "_INBOX.gateway.>"],
     "kvstore": [S.pattern("gateway_tokens", S.ANY), S.pattern("decode_kv", S.ANY),
@@ -83,14 +83,17 @@ async def _spy(c: Cluster, seen: list) -> nats.NATS:
 
 def test_each_identity_is_refused_outside_its_grant_and_the_mesh_serves(tiny_target,
                                                                         tiny_prompts):
-    prompts = tiny_prompts[:6]
+    prompts = [sum(tiny_prompts[i:i + 8], []) for i in range(6)]   # whole KV blocks: the
+    assert all(len(p) > 32 for p in prompts)         # cache write-backs run too
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     want = [o["token_ids"] for o in reference_engine(tiny_target).generate(prompts, params)]
+    logs: list[str] = []
     with Cluster(str(tiny_target), prefill=1, decode=1, **DET, nats_auth=True,
-                 overrides=det_overrides(mode="pd"), echo=False) as c:
+                 overrides=det_overrides(mode="pd"), echo=logs.append) as c:
         async def serve(http) -> list[list[int]]:
-            return [(await complete(http, c.url, p, temperature=0.0, max_tokens=12,
-                                    ignore_eos=True))[0] for p in prompts]
+            return [(await complete(http, c.url, p, ("pd", "colocated")[i % 2],  # both paths
+                                    temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+                    for i, p in enumerate(prompts)]
 
         async def attack(user: str, seen: list) -> Attacker:
             a = await Attacker(user).connect(c)
@@ -135,3 +138,7 @@ def test_each_identity_is_refused_outside_its_grant_and_the_mesh_serves(tiny_tar
                 assert a.refused("subscription", pattern), (a.user, pattern, a.errors)
             assert a.got == [], (a.user, a.got)
         assert c.unexpected_exits() == []
+    # and no service was ever refused anything it does on its own (the grants suffice)
+    refused = [line for line in logs if line.startswith("[nats]") and "Violation" in line]
+    assert refused and not [line for line in refused
+                            if any(f':{s}:{s}_0"' in line for s in S.IDENTITIES)], refused
