@@ -8,6 +8,8 @@ from shared import subjects
 from shared.natsconn import NatsAuth
 from shared.service import new_instance_id
 
+from .auth import parse_keys
+
 
 def _help(text: str) -> dict:
     return {"help": text}
@@ -100,6 +102,7 @@ class GatewayConfig:
                              f"{self.responses_store_size}")
         if self.default_max_tokens < 0:
             raise ValueError(f"default_max_tokens must be >= 0, got {self.default_max_tokens}")
+        parse_keys(self.api_key, self.api_key_file)     # a key file that cannot be read: now
         if self.grammar_timeout_s <= 0:
             raise ValueError(f"grammar_timeout_s must be > 0, got {self.grammar_timeout_s}")
         if self.max_body_bytes < 1024:

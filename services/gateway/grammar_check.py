@@ -22,11 +22,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from .protocol import overloaded
-from .structured import GrammarCheck, grammar_error, grammar_problem, remember, verdict
+from .structured import (
+    TOO_COMPLEX,
+    GrammarCheck,
+    grammar_error,
+    grammar_problem,
+    remember,
+    verdict,
+)
 
 log = logging.getLogger("pdmesh.gateway")
-
-TOO_COMPLEX = "schema_too_complex"
 
 
 class GrammarGuard:
@@ -65,8 +70,7 @@ class GrammarGuard:
             if problem is False:
                 problem = await self._run(c)
             if problem is not None:
-                raise grammar_error(c, problem, code=TOO_COMPLEX if problem.startswith(
-                    "schema too complex") else None)
+                raise grammar_error(c, problem)
 
     async def _run(self, c: GrammarCheck) -> str | None:
         started: list[float] = []
@@ -84,10 +88,10 @@ class GrammarGuard:
                 fut.cancel()                   # never started: nothing runs for it
                 raise overloaded("constrained-decoding compilers are busy") from None
             self.counts["too_complex"] += 1
-            problem = (f"schema too complex: compiling it for constrained decoding took "
+            problem = (f"{TOO_COMPLEX}: compiling it for constrained decoding took "
                        f"longer than {self.timeout_s:g}s")
             remember(c.key, problem)
-            raise grammar_error(c, problem, code=TOO_COMPLEX) from None
+            raise grammar_error(c, problem) from None
         self.counts["refused" if problem else "compiled"] += 1
         remember(c.key, problem)
         return problem

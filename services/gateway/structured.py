@@ -252,7 +252,11 @@ def remember(key: bytes, problem: str | None) -> None:
             _VERDICTS.popitem(last=False)
 
 
-def grammar_error(check: GrammarCheck, problem: str, code: str | None = None) -> OpenAIError:
+TOO_COMPLEX = "schema too complex"        # grammar_check's verdict past its time limit
+
+
+def grammar_error(check: GrammarCheck, problem: str) -> OpenAIError:
+    code = "schema_too_complex" if problem.startswith(TOO_COMPLEX) else None
     return OpenAIError(400, f"'{check.param}' cannot be used: {problem}" if check.prefix
                        else problem, check.param, code=code)
 

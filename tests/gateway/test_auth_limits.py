@@ -1,0 +1,290 @@
+"""Gateway API keys, tenant salts and bounded inputs (issue 12), over real HTTP against a
+real nats-server (no decode instance: what is refused is refused before dispatch).
+Serving with keys through a real mesh: tests/e2e/test_trusted_gateway.py."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+import nats
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from services.gateway import auth
+from services.gateway.app import GATEWAY, create_app
+from services.gateway.config import GatewayConfig
+from services.gateway.dispatch import DecodeClient
+from services.gateway.limits import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, check_fits
+from services.gateway.protocol import OpenAIError
+from services.gateway.registry import Registry
+from shared.contracts.common import encode
+from shared.contracts.messages import Heartbeat
+from shared.contracts.sampling import SamplingParams
+from shared.settings import load
+
+pytestmark = pytest.mark.timeout(120)
+
+CHAT = "/v1/chat/completions"
+MSGS = [{"role": "user", "content": "Say hi."}]
+KEYS = ("sk-alpha-0123456789", "sk-beta-9876543210")
+
+
+def cfg_for(model_dir, nats_url, **kw) -> GatewayConfig:
+    base = dict(model=str(model_dir), nats_url=nats_url, decode_dead_after_s=1.0,
+                submit_timeout_s=1.0, request_timeout_s=20, drain_grace_s=0.3)
+    return GatewayConfig(**(base | kw))
+
+
+@pytest.fixture
+async def keyed(nats_url, spec, gateway_model_dir, tmp_path):
+    key_file = tmp_path / "keys"
+    key_file.write_text(f"# the second tenant\n\n{KEYS[1]}\n")
+    cfg = cfg_for(gateway_model_dir, nats_url, api_key=KEYS[0], api_key_file=str(key_file))
+    async with TestClient(TestServer(create_app(cfg, spec))) as c:
+        yield c
+
+
+def bearer(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def openai_error(resp, status: int) -> dict:
+    assert resp.status == status, await resp.text()
+    body = await resp.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+# ---- keys ---------------------------------------------------------------------------------
+
+
+def test_keys_from_flags_env_and_file(tmp_path, monkeypatch, gateway_model_dir):
+    f = tmp_path / "keys"
+    f.write_text("# comment\nk3\n\n  k4  \n")
+    assert auth.parse_keys("k1, k2,,", str(f)) == ["k1", "k2", "k3", "k4"]
+    with pytest.raises(ValueError, match="cannot|No such"):
+        auth.parse_keys("", str(tmp_path / "missing"))
+    (tmp_path / "empty").write_text("# nothing\n")
+    with pytest.raises(ValueError, match="holds no key"):
+        auth.parse_keys("", str(tmp_path / "empty"))
+    model = ["--model", str(gateway_model_dir)]
+    cfg = load(GatewayConfig, model + ["--api-key", "a", "--api-key", "b,c"])
+    assert auth.parse_keys(cfg.api_key, cfg.api_key_file) == ["a", "b", "c"]
+    monkeypatch.setenv("PDMESH_API_KEY", "x,y")
+    assert load(GatewayConfig, model).api_key == "x,y"
+    with pytest.raises(ValueError, match="api_key_file"):
+        GatewayConfig(model=str(gateway_model_dir), api_key_file=str(tmp_path / "missing"))
+
+
+def test_tenants_and_salts():
+    ring = auth.KeyRing(list(KEYS))
+    a, b = ring.tenant(KEYS[0]), ring.tenant(KEYS[1])
+    assert a and b and a != b and KEYS[0] not in a      # a digest, never the key
+    assert ring.tenant(KEYS[0]) == a and ring.tenant("sk-alpha-012345678") is None
+    assert auth.cache_salt(a, None, shared=False) != auth.cache_salt(b, None, shared=False)
+    assert auth.cache_salt(a, None, shared=True) == auth.cache_salt(b, None, shared=True) == ""
+    assert auth.cache_salt(a, "x", shared=False) not in ("", auth.cache_salt(a, None, False))
+    assert auth.cache_salt(a, "x", shared=True) == auth.cache_salt(b, "x", shared=True) != ""
+    assert auth.cache_salt("", None, shared=False) == ""          # open gateway: unsalted
+    assert not auth.KeyRing([]).enabled
+
+
+async def test_no_key_wrong_key_valid_key(keyed):
+    e = await openai_error(await keyed.get("/v1/models"), 401)
+    assert e["type"] == "invalid_request_error" and e["code"] is None
+    assert "API key" in e["message"]
+    r = await keyed.get("/v1/models", headers=bearer("sk-wrong-000000000000"))
+    e = await openai_error(r, 401)
+    assert e["code"] == "invalid_api_key" and "sk-wrong" not in e["message"]
+    assert r.headers["WWW-Authenticate"].startswith("Bearer")
+    assert (await keyed.get("/v1/models", headers=bearer(KEYS[0]))).status == 200
+    assert (await keyed.get("/v1/models", headers={"x-api-key": KEYS[1]})).status == 200
+    assert (await keyed.get("/v1/models", headers={"Authorization": KEYS[0]})).status == 401
+    for path in ("/tokenize", "/detokenize", CHAT, "/v1/completions", "/v1/responses"):
+        await openai_error(await keyed.post(path, json={}), 401)
+    r = await keyed.post("/tokenize", json={"prompt": "hi"}, headers=bearer(KEYS[1]))
+    assert r.status == 200, await r.text()
+
+
+async def test_anthropic_clients_get_their_error_shape(keyed):
+    r = await keyed.post("/v1/messages", json={})
+    assert r.status == 401
+    assert (await r.json())["error"]["type"] == "authentication_error"
+    r = await keyed.post("/v1/messages/count_tokens", headers={"x-api-key": KEYS[0]},
+                         json={"model": "x", "messages": MSGS})
+    assert r.status != 401
+
+
+async def test_health_open_metrics_keyed(keyed, nats_url, spec, gateway_model_dir):
+    assert (await keyed.get("/health")).status in (200, 503)       # never 401: probes
+    assert (await keyed.get("/ready")).status in (200, 503)
+    await openai_error(await keyed.get("/metrics"), 401)
+    assert (await keyed.get("/metrics", headers=bearer(KEYS[0]))).status == 200
+    cfg = cfg_for(gateway_model_dir, nats_url, api_key=KEYS[0], open_metrics=True)
+    async with TestClient(TestServer(create_app(cfg, spec))) as c:
+        assert (await c.get("/metrics")).status == 200
+        await openai_error(await c.get("/v1/models"), 401)
+
+
+async def test_no_key_configured_is_open(nats_url, spec, gateway_model_dir):
+    cfg = cfg_for(gateway_model_dir, nats_url)
+    async with TestClient(TestServer(create_app(cfg, spec))) as c:
+        assert (await c.get("/v1/models")).status == 200
+        assert (await c.get("/metrics")).status == 200
+        stats = c.server.app[GATEWAY].stats()
+        assert stats["auth"] is False
+
+
+# ---- bodies -------------------------------------------------------------------------------
+
+
+async def test_body_limit_is_the_nats_max_payload(keyed):
+    gw = keyed.server.app[GATEWAY]
+    assert gw.body_limit == gw.runtime.nc.max_payload == 1 << 20   # nats-server's default
+    big = b'{"messages": "' + b"x" * (2 << 20) + b'"}'
+    e = await openai_error(await keyed.post(CHAT, data=big, headers=bearer(KEYS[0])), 413)
+    assert e["code"] == "request_too_large" and str(gw.body_limit) in e["message"]
+
+    async def chunks():                      # no Content-Length: cut off while read
+        for _ in range(40):
+            yield b"x" * (64 << 10)
+    r = await keyed.post(CHAT, data=chunks(), headers=bearer(KEYS[0]))
+    await openai_error(r, 413)
+
+
+async def test_a_submission_over_max_payload_is_413_and_leaves_nothing(nats_url):
+    nc = await nats.connect(nats_url)
+    try:
+        reg = Registry(5.0)
+        reg.observe(Heartbeat(service="decode", instance_id="d0"), time.monotonic())
+        client = DecodeClient(nc, reg, "gw", "", 1.0, 10.0)
+        prompt = [7999] * (nc.max_payload // 5 + 10)
+        with pytest.raises(OpenAIError) as info:
+            await client.submit("r1", prompt, SamplingParams(), _none())
+        assert info.value.status == 413 and info.value.code == "request_too_large"
+        assert client.queues == {} and reg.instances["d0"].sent_since_hb == 0
+    finally:
+        await nc.close()
+    with pytest.raises(OpenAIError):
+        check_fits(1 << 20, 1 << 20)
+    check_fits((1 << 20) - 4096, 1 << 20)
+
+
+def _none():
+    from shared.contracts.constraint import Constraint
+    return Constraint()
+
+
+BAD_BODIES = [
+    ({"stop": ["x" * 600]}, "stop"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))}, "stop_token_ids"),
+    ({"logit_bias": {str(i): 1 for i in range(MAX_LOGIT_BIAS + 1)}}, "logit_bias"),
+    ({"cache_salt": ""}, "cache_salt"),
+    ({"cache_salt": "s" * 300}, "cache_salt"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"repetition_penalty": "1e400"}, "repetition_penalty"),   # JSON's 1e400 is inf
+    ({"repetition_penalty": 1000.0}, "repetition_penalty"),
+    ({"temperature": "-1e400"}, "temperature"),
+    ({"top_k": 1 << 40}, "top_k"),
+]
+
+
+@pytest.mark.parametrize("extra,param", BAD_BODIES)
+async def test_caps_and_ranges_are_400s(keyed, extra, param):
+    body = json.dumps({"messages": MSGS, "max_tokens": 4} | extra)
+    body = body.replace('"1e400"', "1e400").replace('"-1e400"', "-1e400")
+    r = await keyed.post(CHAT, data=body, headers=bearer(KEYS[0]) | {
+        "Content-Type": "application/json"})
+    e = await openai_error(r, 400)
+    assert e["param"] == param, e
+
+
+# ---- grammar compile: off the loop, with a time limit ---------------------------------
+
+
+def slow_schema(n: int, tag: str) -> dict:
+    return {"type": "object", "properties": {
+        "a": {"enum": [f"{tag}_{i}_value" for i in range(n)]}}, "required": ["a"]}
+
+
+async def test_a_schema_that_compiles_too_slowly_is_refused(nats_url, spec, gateway_model_dir):
+    cfg = cfg_for(gateway_model_dir, nats_url, grammar_timeout_s=0.3)
+    async with TestClient(TestServer(create_app(cfg, spec))) as c:
+        gw = c.server.app[GATEWAY]
+        await gw.grammar.warm()
+        body = {"messages": MSGS, "max_tokens": 4, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "s", "schema": slow_schema(6000, "t")}}}
+        gaps = []
+
+        async def probe():                  # the event loop keeps answering meanwhile
+            while True:
+                t = time.monotonic()
+                await c.get("/health")
+                gaps.append(time.monotonic() - t)
+                await asyncio.sleep(0.05)
+        task = asyncio.create_task(probe())
+        t0 = time.monotonic()
+        e = await openai_error(await c.post(CHAT, json=body), 400)
+        took = time.monotonic() - t0
+        task.cancel()
+        assert e["code"] == "schema_too_complex" and "too complex" in e["message"]
+        assert e["param"] == "response_format.json_schema.schema"
+        assert took < 2.0 and max(gaps) < 0.5, (took, max(gaps))
+        t0 = time.monotonic()                # the verdict is remembered (by digest)
+        e = await openai_error(await c.post(CHAT, json=body), 400)
+        assert e["code"] == "schema_too_complex" and time.monotonic() - t0 < 0.5
+        assert gw.stats()["grammar_too_complex"] == 1
+        ok = {"messages": MSGS, "max_tokens": 4, "response_format": {"type": "json_schema",
+              "json_schema": {"schema": {"type": "object", "properties": {"x": {"type": "integer"}}}}}}
+        r = await c.post(CHAT, json=ok)      # compiles in time: on to dispatch (no decode)
+        assert r.status == 503, await r.text()
+
+
+# ---- heartbeats ---------------------------------------------------------------------------
+
+
+def test_the_registry_ignores_heartbeats_it_cannot_believe(caplog):
+    reg = Registry(5.0)
+    now = time.monotonic()
+    bad = [Heartbeat(service="decode", instance_id=i) for i in
+           ("D0", "a.b", "a>b", "", "x" * 200, "d-0", "d 0", "*")]
+    bad += [Heartbeat(service="decode", instance_id="d1", running=-1),
+            Heartbeat(service="decode", instance_id="d1", capacity=1 << 40)]
+    with caplog.at_level(logging.WARNING, "pdmesh.gateway"):
+        for _ in range(3):
+            for hb in bad:
+                reg.observe(hb, now)
+    assert reg.instances == {} and reg.invalid == 3 * len(bad)
+    assert reg.choose(now) is None
+    logged = [r for r in caplog.records if "ignoring decode heartbeats" in r.getMessage()]
+    assert len(logged) == len(bad) - 1          # once per id ("d1" twice: logged once)
+    reg.observe(Heartbeat(service="decode", instance_id="decode_0_ab12"), now)
+    assert reg.choose(now) == "decode_0_ab12"
+
+
+async def test_forged_bad_heartbeats_never_reach_dispatch(keyed, nats_url):
+    gw = keyed.server.app[GATEWAY]
+    nc = await nats.connect(nats_url)
+    try:
+        for _ in range(3):
+            await nc.publish("pdmesh.evt.decode.heartbeat", encode(Heartbeat(
+                service="decode", instance_id="Evil.Instance", running=0, capacity=64)))
+        await nc.flush()
+        await asyncio.sleep(0.3)
+    finally:
+        await nc.close()
+    assert gw.registry.invalid >= 3 and not gw.registry.instances
+    r = await keyed.post(CHAT, json={"messages": MSGS, "max_tokens": 4},
+                         headers=bearer(KEYS[0]))
+    e = await openai_error(r, 503)                 # no instance: not a 500
+    assert e["code"] == "no_decode_instance"
+    assert gw.client.queues == {}
+
+
+async def test_errors_carry_no_paths_or_reprs(keyed):
+    r = await keyed.post(CHAT, data=b"{not json", headers=bearer(KEYS[0]))
+    e = await openai_error(r, 400)
+    assert "Traceback" not in e["message"] and "/work" not in e["message"]
