@@ -64,8 +64,7 @@ SERVICES = ("kvstore", "prefill", "decode", "gateway")   # start order (all at o
 
 # ---- the cluster ----------------------------------------------------------------------------
 class Cluster:
-    def __init__(self, model: str, prefill: int = 1, decode: int = 1, *,
-                 prefill_group: int = 0,
+    def __init__(self, model: str, prefill: int = 1, decode: int = 1, *, prefill_group: int = 0,
                  host: str = "127.0.0.1", port: int = 0, nats_port: int = 0,
                  nats_http_port: int | None = None, nats_cluster: int = 1,
                  nats_auth: bool = False, nats_tls: bool = False,
@@ -114,9 +113,7 @@ class Cluster:
                 self.instance_settings[key] = dict(kv)
             else:
                 self.settings[service].update(kv)
-        if prefill_group:   # LayerSplit: prefill-0..N-1 form one group
-            self.counts["prefill"] = max(prefill, prefill_group)
-            group_settings(self.instance_settings, prefill_group)
+        self.counts["prefill"] = group_settings(self.instance_settings, prefill, prefill_group)
         for service, kv in self.settings.items():   # fail now, not after nats started
             if self.counts[service] or service in (overrides or {}):
                 _known(service, kv | {"nats_url": "", "instance_id": ""})
