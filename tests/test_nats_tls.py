@@ -73,6 +73,15 @@ async def test_tls_cluster_with_users_serves_and_turns_strangers_away():
         for n in (nc, prefill, debug):
             await n.close()
 
+        # the container health check connects as the service's own user (compose)
+        hc = [sys.executable, "-m", "pdmesh.healthcheck", "kvstore", "--nats-url",
+              c.nats.url, "--instance-id", "kvstore_0"]
+        env = c.procs["kvstore-0"].env
+        assert subprocess.run(hc, env=env, timeout=60).returncode == 0
+        stranger = {k: v for k, v in env.items() if k != "PDMESH_NATS_PASSWORD_FILE"}
+        assert subprocess.run(hc, env=stranger, timeout=60,
+                              capture_output=True).returncode == 1
+
 
 def test_up_has_the_nats_flags():
     out = subprocess.run([sys.executable, "-m", "pdmesh", "up", "--help"], cwd=ROOT,
