@@ -71,6 +71,7 @@ class ChaosConfig:
     lease_s: float = 3.0
     quiesce_s: float = 30.0
     seed: int = 0
+    min_completed: int = 0           # send on past `requests` until this many completed
     sample_s: float = 5.0            # decode STATS sampled this often (the timeline)
     log_every: int = 500             # progress line every this many requests sent
     log_dir: str | None = None
@@ -191,36 +192,50 @@ class _Load:
         self.t = Tally()
         self.sem = asyncio.Semaphore(cfg.concurrency)
         self.timeline: list[dict] = []
+        self.events: list[dict] = []          # storms, the kill and restart, when
         self.t0 = time.monotonic()
 
     async def run(self) -> Tally:
         import aiohttp
 
         cfg = self.cfg
-        storm_at = {int(cfg.requests * (k + 1) / (cfg.storms + 1)) for k in range(cfg.storms)}
-        kill_at = int(cfg.requests * 0.4) if cfg.kill_prefill and cfg.prefill > 0 else -1
         conn = aiohttp.TCPConnector(limit=cfg.concurrency + cfg.storm_size + 8)
         sampler = asyncio.ensure_future(self.sample_every(cfg.sample_s))
         self.t0 = time.monotonic()
         try:
             async with aiohttp.ClientSession(connector=conn,
                                              timeout=aiohttp.ClientTimeout(total=120)) as http:
-                tasks = []
-                for i in range(cfg.requests):
-                    if i in storm_at:
-                        tasks.append(asyncio.ensure_future(self.storm(http)))
-                    if i == kill_at:
-                        tasks.append(asyncio.ensure_future(self.kill()))
-                    await self.sem.acquire()          # released by the request when it ends
-                    tasks.append(asyncio.ensure_future(self.paced(i, http)))
-                    self.t.sent += 1
-                    if (i + 1) % cfg.log_every == 0:
-                        self.progress()
-                await asyncio.gather(*tasks)
+                await asyncio.gather(*await self.send(http))
         finally:
             sampler.cancel()
         await self.sample()                           # the last point: load done
         return self.t
+
+    async def send(self, http) -> list[asyncio.Future]:
+        """cfg.requests requests (more while fewer than cfg.min_completed completed), the
+        storms and the kill among them; their tasks."""
+        cfg, t = self.cfg, self.t
+        storm_at = {int(cfg.requests * (k + 1) / (cfg.storms + 1)) for k in range(cfg.storms)}
+        kill_at = int(cfg.requests * 0.4) if cfg.kill_prefill and cfg.prefill > 0 else -1
+        tasks, i = [], 0
+        while i < cfg.requests or t.completed < cfg.min_completed:
+            if i in storm_at:
+                tasks.append(asyncio.ensure_future(self.storm(http)))
+            if i == kill_at:
+                tasks.append(asyncio.ensure_future(self.kill()))
+            await self.sem.acquire()          # released by the request when it ends
+            tasks.append(asyncio.ensure_future(self.paced(i, http)))
+            t.sent += 1
+            i += 1
+            if i % cfg.log_every == 0:
+                self.progress()
+            if len(tasks) > 4 * cfg.concurrency:
+                tasks = [x for x in tasks if not x.done() or x.cancelled() or x.exception()]
+        return tasks
+
+    def event(self, what: str) -> None:
+        self.events.append({"t_s": round(time.monotonic() - self.t0, 2), "event": what})
+        log(what)
 
     def progress(self) -> None:
         t, n = self.t, self.cfg.requests
@@ -264,6 +279,7 @@ class _Load:
         """storm_size requests at once, every one cancelled at the same moment."""
         delay = self.rng.uniform(0.02, 0.3)
         self.t.storm_requests += self.cfg.storm_size
+        self.event(f"storm of {self.cfg.storm_size}, cancelled after {delay * 1e3:.0f} ms")
         await asyncio.gather(*(self.request(-1 - j, http, delay)
                                for j in range(self.cfg.storm_size)))
 
@@ -272,11 +288,11 @@ class _Load:
         c = self.c
         name = f"prefill-{self.cfg.prefill - 1}"
         busy = await wait_writing(c.nats_url, c.procs[name].instance_id, within_s=10.0)
-        log(f"SIGKILL {name} ({busy} KV writes in flight)")
+        self.event(f"SIGKILL {name} ({busy} KV writes in flight)")
         c.kill(name)
         await asyncio.sleep(1.0)
         await c.arestart(name)
-        log(f"{name} restarted")
+        self.event(f"{name} restarted")
 
     async def sample_every(self, period_s: float) -> None:
         while True:
@@ -320,7 +336,7 @@ async def arun(cfg: ChaosConfig, on_sample: Callable[[dict], None] | None = None
         problems = await healthy(c)
     finally:
         await c.astop()
-    return result(ld.cfg_dict(), tally, st, problems, ld.timeline, load_s,
+    return result(ld.cfg_dict(), tally, st, problems, ld.timeline, ld.events, load_s,
                   time.monotonic() - t0)
 
 

@@ -21,7 +21,10 @@ def cluster(cfg: ChaosConfig):
     from pdmesh.cluster import Cluster
     from shared.faults import ALLOW_ENV
 
+    # admission control is not what this run tests: no 429 for the storms on top of the load
+    gateway = {"max_in_flight": 100_000}
     decode = SHAPES | {"max_num_seqs": 16, "mode": "pd", "num_blocks": cfg.num_blocks,
+                       "max_queued": 100_000,
                        "reclaim_lease_s": cfg.lease_s, "reclaim_timeout_s": 0.5,
                        "fault_no_reclaim_ack": not cfg.reclaim_ack,
                        "fault_no_epoch_fence": not cfg.epoch_fence}
@@ -29,8 +32,9 @@ def cluster(cfg: ChaosConfig):
                         "kv_max_write_bytes": cfg.kv_max_write_bytes,
                         "fault_kv_write_delay_s": cfg.write_delay_s}
     return Cluster(cfg.model, prefill=cfg.prefill, decode=1, kvstore=False, **DET,
-                   overrides={"decode": decode, "prefill": prefill}, echo=cfg.echo,
-                   log_dir=cfg.log_dir, extra_env={ALLOW_ENV: "1"})   # the guard switches
+                   overrides={"gateway": gateway, "decode": decode, "prefill": prefill},
+                   echo=cfg.echo, log_dir=cfg.log_dir,
+                   extra_env={ALLOW_ENV: "1"})   # the guard switches
 
 
 async def wait_writing(nats_url: str, instance_id: str, within_s: float) -> int:

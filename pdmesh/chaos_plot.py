@@ -27,11 +27,14 @@ def plot_run(res: dict, out: Path) -> None:
     _blocks_panel(ax[0, 1], tl, ts)
     _hazard_panel(ax[1, 0], tl, ts)
     _bound_panel(ax[1, 1], res)
+    _events(ax[0, 0], res.get("events") or [])
     b = res.get("per_10k_bound_95")
-    bound = f", corruption < {b:.2f} per 10k completed (95%)" if b is not None else ""
-    fig.suptitle(f"chaos, guards {res['guards']}: {res['requests']:,} requests, "
-                 f"{res['completed']:,} completed and compared, {res['mismatches']} "
-                 f"mismatches, {res.get('blocks_leaked')} blocks leaked{bound}")
+    bound = (f"\n0 mismatches in {res['completed']:,}: corruption rate < {b:.2f} per 10,000 "
+             f"completed requests (95%)" if b is not None else "")
+    fig.suptitle(f"chaos, guards {res['guards']}: {res['requests']:,} requests "
+                 f"({res.get('requests_per_s')}/s), {res['completed']:,} completed and "
+                 f"compared, {res['mismatches']} mismatches, {res['errors']} errors, "
+                 f"{res.get('blocks_leaked')} blocks leaked{bound}")
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
@@ -42,9 +45,16 @@ def _requests_panel(a, tl: list[dict], ts: list[float]) -> None:
                  ("cancelled", "tab:orange"), ("mismatches", "tab:red"),
                  ("errors", "black")):
         a.plot(ts, [p[k] for p in tl], c=c, label=k)
-    a.set_title("client requests (cumulative)")
+    a.set_title("client requests (cumulative; dotted: storms, prefill kill/restart)")
     a.set_xlabel("s")
     a.legend(fontsize=8)
+
+
+def _events(a, events: list[dict]) -> None:
+    """The kill and restart (red) and the storms (grey) as vertical lines."""
+    for e in events:
+        storm = e["event"].startswith("storm")
+        a.axvline(e["t_s"], c="tab:gray" if storm else "tab:red", ls=":", lw=0.8)
 
 
 def _blocks_panel(a, tl: list[dict], ts: list[float]) -> None:
@@ -75,9 +85,11 @@ def _bound_panel(a, res: dict) -> None:
     n = res["completed"]
     if not n:
         return
-    xs = sorted({max(1, int(n * f / 100)) for f in range(1, 101)})
-    a.plot(xs, [rate_bound(x) * 1e4 for x in xs], c="tab:blue",
+    top = max(n, 40_000)
+    xs = sorted({max(1, int(top * f / 200)) for f in range(1, 201)} | {n})
+    a.plot(xs, [rate_bound(x) * 1e4 for x in xs], c="tab:blue", ls=":",
            label="95% bound with 0 mismatches in n")
+    a.plot([n], [rate_bound(n) * 1e4], "o", c="tab:blue", label="this run")
     a.axhline(3, c="tab:orange", ls="--", label="3 per 10k (GLM-5 production, after fixes)")
     a.axhline(1, c="tab:green", ls="--", label="1 per 10k")
     if res["mismatches"]:

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from shared import micro
 
 # decode counters that say which hazard a run hit and which guard caught it
-HAZARD_KEYS = ("kv_writes_applied", "kv_writes_fenced", "kv_writes_quarantined",
-               "kv_writes_stray", "claims_granted", "claims_refused")
+HAZARD_KEYS = ("kv_writes_applied", "kv_writes_fenced", "kv_writes_not_owner",
+               "kv_writes_quarantined", "kv_writes_stray", "claims_granted", "claims_refused")
 
 
 # what each timeline point keeps of decode's STATS
@@ -74,7 +74,7 @@ def _checked(completed: int, mismatches: int) -> dict:
 
 
 def result(cfg: dict, tally: Tally, st: dict, problems: list[str], timeline: list[dict],
-           load_s: float, wall_s: float) -> dict:
+           events: list[dict], load_s: float, wall_s: float) -> dict:
     d, p = st["decode"], st["prefill"]
     dt, pt = micro.sum_stats(d), micro.sum_stats(p)
     requests = tally.sent + tally.storm_requests
@@ -102,7 +102,7 @@ def result(cfg: dict, tally: Tally, st: dict, problems: list[str], timeline: lis
         "error_samples": tally.error_samples, "mismatch_samples": tally.mismatch_samples,
         "load_s": round(load_s, 1), "wall_s": round(wall_s, 1),
         "requests_per_s": round(requests / load_s, 2) if load_s > 0 else None,
-        "timeline": timeline,
+        "events": events, "timeline": timeline,
     }
 
 

@@ -1,6 +1,8 @@
 """Chaos run at scale (invariant 3; see pdmesh/chaos.py for what it does).
 
-    python scripts/chaos.py --requests 30000                  both guards
+    python scripts/chaos.py --completed 30000                 both guards, until 30,000
+                                                              requests completed (< 1 per
+                                                              10,000 at 95% with 0 mismatches)
     python scripts/chaos.py --no-reclaim-ack                  fence only (also --guards fence_only)
     python scripts/chaos.py --no-epoch-fence                  ack only
     python scripts/chaos.py --guards all --requests 2000      the four side by side
@@ -31,7 +33,10 @@ from pdmesh.chaos_report import compare, sound  # noqa: E402
 def args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=str(ROOT / "models" / "tiny-target"))
-    ap.add_argument("--requests", type=int, default=None, help="default 10000 (--hazard 300)")
+    ap.add_argument("--requests", type=int, default=None,
+                    help="default 10000 (--hazard 300; with --completed N, 1.85 N)")
+    ap.add_argument("--completed", type=int, default=0, metavar="N",
+                    help="send on past --requests until N requests completed (were compared)")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--abort-rate", type=float, default=None)
     ap.add_argument("--storms", type=int, default=None, help="default 10")
@@ -69,7 +74,9 @@ def config(a: argparse.Namespace) -> ChaosConfig:
                        log_dir=a.log_dir, concurrency=a.concurrency)
     if a.hazard:
         base = replace(base, **HAZARD)
-    given = dict(requests=a.requests, abort_rate=a.abort_rate, storms=a.storms,
+    if a.completed and a.requests is None:
+        a.requests = int(a.completed * 1.85)      # ~54% complete at the default abort rate
+    given = dict(requests=a.requests, min_completed=a.completed or None, abort_rate=a.abort_rate, storms=a.storms,
                  storm_size=a.storm_size, prefill=a.prefill, num_blocks=a.num_blocks,
                  write_delay_s=a.write_delay, kv_window=a.kv_window, lease_s=a.lease)
     cfg = replace(base, **{k: v for k, v in given.items() if v is not None})

@@ -49,7 +49,6 @@ def test_reclaim_ack_alone_waits_out_late_writes(tiny_target):
     assert res["kv_writes_quarantined"] > 0, res                     # the hazard was hit
     assert res["reclaims_by_outcome"].get("acked", 0) > 0, res       # ... and waited out
     assert res["reclaims_by_outcome"].get("lease", 0) == 0, res      # never by the lease
-    assert res["kv_writes_fenced"] == 0, res
 
 
 def test_without_either_guard_the_chaos_run_sees_corruption(tiny_target):
