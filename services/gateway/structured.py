@@ -34,16 +34,13 @@ import msgspec
 
 from shared.contracts.constraint import Constraint, ConstraintKind
 
-from .limits import MAX_SCHEMA_CHARS, MAX_TOOLS, MAX_TOOLS_CHARS
+from .limits import MAX_SCHEMA_CHARS, MAX_TOOLS, MAX_TOOLS_CHARS, SchemaBudget
 from .protocol import ChatCompletionRequest, OpenAIError
 
 log = logging.getLogger("pdmesh.gateway")
 
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")    # OpenAI's rule for function names
 TOOL_CHOICES = ("none", "auto", "required")
-# JSON nesting of one schema document (~30 levels of nested objects): xgrammar's compile time
-# grows fast with depth (seconds at ~150 levels), and the gateway compiles every schema
-MAX_SCHEMA_DEPTH = 64
 _CANON = dict(separators=(",", ":"))   # key order kept: it is the generated property order
 TOOL_KINDS = (ConstraintKind.TOOLS_AUTO, ConstraintKind.TOOLS_REQUIRED, ConstraintKind.TOOL_NAMED)
 
@@ -55,9 +52,10 @@ def tools_and_format(req: ChatCompletionRequest) -> tuple[list[dict] | None, Con
             raise OpenAIError(400, f"'{name}' is not supported; it is the deprecated form of "
                                    f"'{'tools' if name == 'functions' else 'tool_choice'}': send "
                                    f"'tools' and 'tool_choice' instead", name)
-    tools = _tools(req.tools)
+    budget = SchemaBudget()           # every schema of the request, together
+    tools = _tools(req.tools, budget)
     kind, tool_name = _tool_choice(req.tool_choice, tools)
-    fmt = _response_format(req.response_format)
+    fmt = _response_format(req.response_format, budget)
     if tools:
         # every tool must compile, whatever tool_choice says (they are all in the prompt)
         _check_grammar(Constraint(kind=ConstraintKind.TOOLS_AUTO, tools=_canonical(tools)),
@@ -85,7 +83,7 @@ def tools_and_format(req: ChatCompletionRequest) -> tuple[list[dict] | None, Con
     return tools, constraint
 
 
-def _tools(tools) -> list[dict] | None:
+def _tools(tools, budget: SchemaBudget | None = None) -> list[dict] | None:
     """The tools list in OpenAI form, only the fields we know (what the template renders and
     the constraint carries); None when there are none."""
     if not tools:
@@ -111,7 +109,7 @@ def _tools(tools) -> list[dict] | None:
         seen[fn.name] = i
         params = fn.parameters
         if params is not None:
-            _check_depth(params, f"{p}.function.parameters")
+            (budget or SchemaBudget()).check(params, f"{p}.function.parameters")
         if params is not None and params.get("type", "object") != "object":
             raise OpenAIError(400, f"'{p}.function.parameters' must be a JSON schema of type "
                                    f"'object', got type {params.get('type')!r}",
@@ -157,7 +155,7 @@ def _tool_choice(choice, tools: list[dict] | None) -> tuple[ConstraintKind, str 
     return ConstraintKind.TOOL_NAMED, name
 
 
-def _response_format(rf) -> Constraint | None:
+def _response_format(rf, budget: SchemaBudget) -> Constraint | None:
     if rf is None or rf.type == "text":
         return None
     if rf.type == "json_object":
@@ -171,26 +169,13 @@ def _response_format(rf) -> Constraint | None:
             raise OpenAIError(400, "'response_format.json_schema.schema' is required: the JSON "
                                    "schema the output must follow",
                               "response_format.json_schema.schema")
-        _check_depth(rf.json_schema.schema_, "response_format.json_schema.schema")
+        budget.check(rf.json_schema.schema_, "response_format.json_schema.schema")
         return Constraint(kind=ConstraintKind.JSON_SCHEMA,
                           json_schema=_canonical(rf.json_schema.schema_,
                                                  "response_format.json_schema.schema",
                                                  MAX_SCHEMA_CHARS))
     raise OpenAIError(400, f"'response_format.type' must be one of 'text', 'json_object', "
                            f"'json_schema'; got {rf.type[:80]!r}", "response_format.type")
-
-
-def _check_depth(schema, param: str) -> None:
-    stack = [(schema, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > MAX_SCHEMA_DEPTH:
-            raise OpenAIError(400, f"'{param}' is nested too deeply: more than "
-                                   f"{MAX_SCHEMA_DEPTH} levels of JSON", param)
-        if isinstance(node, dict):
-            stack.extend((v, depth + 1) for v in node.values())
-        elif isinstance(node, list):
-            stack.extend((v, depth + 1) for v in node)
 
 
 def _canonical(obj, param: str = "tools", limit: int = MAX_TOOLS_CHARS) -> str:
