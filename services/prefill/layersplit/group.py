@@ -115,28 +115,25 @@ class LayerSplitGroup:
         if len(slots) < len(keys):
             raise RuntimeError(f"the group holds {len(slots)} of {len(keys)} blocks now (slot)")
         wire, t0 = self.wire, time.monotonic()
-        remote = [layer for layer in range(self.num_layers)
-                  if owner(layer, self.cfg.size) != self.cfg.rank]
-        if remote and wire is None:
+        if wire is None and len(self.shard.owned) < self.num_layers:
             raise RuntimeError("no group")
-        pending, nxt = [], 0
-        while nxt < len(remote) and len(pending) < self.cfg.prefetch_layers:
-            pending.append((remote[nxt], wire.fetch(owner(remote[nxt], self.cfg.size),
-                                                    remote[nxt], slots, keys)))
-            nxt += 1
-        for layer in self.shard.owned:       # my own layers: a local copy, at once
-            self._land(engine, ld, layer, self.shard.gather(layer, slots, keys))
-        while pending:
-            layer, handle = pending.pop(0)
-            data = wire.finish(handle)
-            if nxt < len(remote):
-                pending.append((remote[nxt], wire.fetch(owner(remote[nxt], self.cfg.size),
-                                                        remote[nxt], slots, keys)))
-                nxt += 1
-            if self.delay_s:
-                time.sleep(self.delay_s)
-            self._land(engine, ld, layer, data)
+        pending: list = []
+        for layer in range(self.num_layers):       # in compute order: mine land at once,
+            if layer in self.shard.local:          # the others are requested, a window ahead
+                self._land(engine, ld, layer, self.shard.gather(layer, slots, keys))
+                continue
+            if len(pending) >= self.cfg.prefetch_layers:
+                self._finish(engine, ld, wire, *pending.pop(0))
+            pending.append((layer, wire.fetch(owner(layer, self.cfg.size), layer, slots, keys)))
+        for layer, handle in pending:
+            self._finish(engine, ld, wire, layer, handle)
         self.counters["group_transfer_s"] += time.monotonic() - t0
+
+    def _finish(self, engine, ld, wire: Wire, layer: int, handle) -> None:
+        data = wire.finish(handle)
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        self._land(engine, ld, layer, data)
 
     @staticmethod
     def _land(engine, ld, layer: int, data) -> None:
