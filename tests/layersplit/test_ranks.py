@@ -120,3 +120,70 @@ def test_slow_transfers_wait_and_without_the_guard_go_wrong(guard):
         assert hit == ref
     else:
         assert hit != ref, "read before the layers landed, yet the same tokens"
+
+
+def _host_worker(rank: int, size: int, port: int, filled, out) -> None:
+    """Rank 0 (it hosts the rendezvous store): fill the group, then live until killed."""
+    eng, g = make_rank(MODEL, size, rank, port)
+    wait_ready(g, 60)
+    prefill(eng, g, contexts(n=2)[0])
+    settle(g)
+    filled.set()
+    time.sleep(120)
+
+
+def _until(cond, timeout: float) -> float:
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+def _survivor(rank: int, size: int, port: int, filled, killed, refilled, out) -> None:
+    eng, g = make_rank(MODEL, size, rank, port)
+    ps = contexts(n=2)
+    keys = eng.prefix_keys(ps[1])
+    wait_ready(g, 60)
+    filled.wait(60)
+    _until(lambda: g.lookup(keys) > 0, 20)
+    before = prefill(eng, g, ps[1], max_tokens=4)
+    out.put(("hit", before))
+    killed.wait(60)
+    lost_after = _until(lambda: not g.ready, 20)
+    alone = prefill(eng, g, ps[1], max_tokens=4)
+    rejoined_after = _until(lambda: g.ready, 60)
+    refilled.wait(60)
+    _until(lambda: g.lookup(keys) > 0, 20)
+    again = prefill(eng, g, ps[1], max_tokens=4)
+    out.put(("done", lost_after, alone, rejoined_after, again, g.stats()["group_lost_blocks"]))
+
+
+def test_store_host_dies_and_restarts():
+    """Rank 0 (the rendezvous store's host) SIGKILLed: rank 1 leaves the group, drops the
+    entries and computes alone, correctly and without hanging; rank 0 restarted: the group
+    re-forms and hits again."""
+    ctx = mp.get_context("spawn")
+    q, filled, killed, refilled = ctx.Queue(), ctx.Event(), ctx.Event(), ctx.Event()
+    port = _port()
+    host = ctx.Process(target=_host_worker, args=(0, 2, port, filled, q))
+    surv = ctx.Process(target=_survivor, args=(1, 2, port, filled, killed, refilled, q))
+    host.start()
+    surv.start()
+    try:
+        _, (hit, cached) = q.get(timeout=120)
+        host.kill()
+        host.join(10)
+        killed.set()
+        host = ctx.Process(target=_host_worker, args=(0, 2, port, refilled, q))
+        host.start()
+        _, lost_after, (alone, alone_cached), rejoined_after, (again, again_cached), lost = \
+            q.get(timeout=180)
+    finally:
+        for p in (host, surv):
+            p.kill()
+            p.join(10)
+    assert cached > 0 and alone_cached == 0 and again_cached > 0
+    assert hit == alone == again
+    assert lost_after < 20 and lost > 0

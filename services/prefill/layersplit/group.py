@@ -160,7 +160,7 @@ class LayerSplitGroup:
             return
         ids = torch.tensor([blocks[i] for i in todo], dtype=torch.long)
         with engine.lock:
-            snap = engine.kv[:, :, ids].clone()          # [L, 2, n, BS, Hkv, D]
+            snap = engine.kv[:, :, ids].to("cpu", copy=True)   # [L, 2, n, BS, Hkv, D]
         try:
             self.inserts.put_nowait(([keys[i] for i in todo], snap))
         except queue.Full:
