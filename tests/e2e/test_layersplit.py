@@ -126,3 +126,31 @@ def test_kill_one_rank_mid_run(group_mesh, prompts, reference):
     assert [t for t, _ in rejoined] == reference
     assert any(c > 0 for _, c in rejoined), "the re-formed group never hit"
     assert sum(s.get("group_losses", 0) for s in stats) >= 1
+
+
+@pytest.mark.parametrize("guard", [True, False], ids=["guard", "no_guard"])
+def test_slow_transfers_over_pd(tiny_target, prompts, reference, guard):
+    """Every layer fetched from the other rank lands 0.3 s late (TEST ONLY): with the
+    readiness guard compute waits and the tokens are right; without it attention reads
+    layers that have not arrived and the cached prompts come out wrong."""
+    extra = {} if guard else {"fault_no_load_guard": True}
+    c = layersplit_mesh(tiny_target, fault_group_delay_s=0.3, **extra)
+    c.extra_env["PDMESH_ALLOW_FAULTS"] = "1"
+
+    async def run():
+        await wait_group(c)
+        async with aiohttp.ClientSession() as http:
+            cold = [await _complete(http, c.url, p) for p in prompts[:4]]
+            await asyncio.sleep(1.0)
+            warm = [await _complete(http, c.url, p) for p in prompts[:4]]
+        return cold, warm, await group_stats(c)
+
+    with c:
+        cold, warm, stats = asyncio.run(run())
+    assert [t for t, _ in cold][:1] == reference[:1] and all(n > 0 for _, n in warm)
+    assert sum(s["group_fetches"] for s in stats) > 0
+    if guard:
+        assert [t for t, _ in cold + warm] == reference[:4] * 2
+        assert sum(s["group_wait_s"] for s in stats) > 0.2      # compute did wait
+    else:
+        assert [t for t, _ in warm] != reference[:4], "read before ready, yet right tokens"
