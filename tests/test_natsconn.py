@@ -1,0 +1,46 @@
+"""How a process reaches NATS (shared/natsconn.py): server lists, identity from the
+environment or the URL, TLS; and the settings every service has for it."""
+from __future__ import annotations
+
+import pytest
+
+from pdmesh.cluster import CONFIG_CLASSES, config_class
+from shared.natsconn import NatsAuth, connect_kwargs, servers
+from shared.settings import field_names, load
+
+
+def test_server_lists():
+    assert servers("nats://a:1") == ["nats://a:1"]
+    assert servers(" nats://a:1, nats://b:2 ,") == ["nats://a:1", "nats://b:2"]
+    with pytest.raises(ValueError):
+        servers(" , ")
+
+
+def test_identity_from_env_and_url(tmp_path):
+    pw = tmp_path / "pw"
+    pw.write_text("s3cret\n")
+    auth = NatsAuth.from_env({"PDMESH_NATS_USER": "decode",
+                              "PDMESH_NATS_PASSWORD_FILE": str(pw)})
+    kw = connect_kwargs("nats://a:1,nats://b:2", auth)
+    assert kw == {"servers": ["nats://a:1", "nats://b:2"], "user": "decode",
+                  "password": "s3cret", "inbox_prefix": "_INBOX.decode"}
+    assert connect_kwargs("nats://debug:x@a:1")["inbox_prefix"] == "_INBOX.debug"
+    assert connect_kwargs("nats://a:1") == {"servers": ["nats://a:1"]}     # no auth: as before
+
+
+def test_tls_ca_makes_every_url_tls(tmp_path):
+    from pdmesh.creds import make_tls
+
+    tls = make_tls(tmp_path, ["127.0.0.1"])
+    kw = connect_kwargs("nats://a:1,tls://b:2", NatsAuth(tls_ca=str(tls.ca)))
+    assert kw["servers"] == ["tls://a:1", "tls://b:2"] and kw["tls"].check_hostname
+
+
+@pytest.mark.parametrize("service", sorted(CONFIG_CLASSES))
+def test_every_service_takes_its_nats_identity(service, monkeypatch):
+    cls = config_class(service)
+    assert {"nats_user", "nats_password", "nats_password_file", "nats_tls_ca"} <= field_names(cls)
+    monkeypatch.setenv("PDMESH_NATS_USER", service)
+    monkeypatch.setenv("PDMESH_MODEL", "m")
+    cfg = load(cls, argv=["--nats-tls-ca", "/ca.pem"])
+    assert cfg.nats == NatsAuth(user=service, tls_ca="/ca.pem")
