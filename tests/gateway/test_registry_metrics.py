@@ -2,7 +2,9 @@
 Prometheus text it serves."""
 from __future__ import annotations
 
-from services.gateway.metrics import Counter, Histogram, Metrics
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.gateway.metrics import Metrics
 from services.gateway.registry import Registry
 from shared.contracts.messages import Heartbeat
 
@@ -61,19 +63,27 @@ def test_totals_sum_live_instances_only():
 
 
 def test_prometheus_text():
-    c = Counter("x_total", "Things.")
-    c.inc(path='/a"b', status="200")
-    c.inc(path='/a"b', status="200")
-    assert c.render() == ["# HELP x_total Things.", "# TYPE x_total counter",
-                          'x_total{path="/a\\"b",status="200"} 2']
-    h = Histogram("lat_seconds", "Latency.", (0.1, 1.0))
-    h.observe(0.05)
-    h.observe(0.1)          # le is inclusive
-    h.observe(5.0, n=2)
-    lines = h.render()
-    assert 'lat_seconds_bucket{le="0.1"} 2' in lines
-    assert 'lat_seconds_bucket{le="1.0"} 2' in lines
-    assert 'lat_seconds_bucket{le="+Inf"} 4' in lines
-    assert "lat_seconds_count 4" in lines and "lat_seconds_sum 10.15" in lines
-    text = Metrics().render({"g": ("A gauge.", 3)})
-    assert text.endswith("# TYPE g gauge\ng 3\n")
+    """prometheus_client does the exposition; every gateway has a registry of its own."""
+    m = Metrics()
+    m.requests.inc(path='/a"b', status="200")
+    m.requests.inc(path='/a"b', status="200")
+    m.itl.observe(0.05)
+    m.itl.observe(0.1)          # le is inclusive
+    m.itl.observe(5.0, n=2)
+    text = m.render({"g": ("A gauge.", 3), "x_total": ("Grows.", 7)})
+    assert "# TYPE pdmesh_requests_total counter" in text
+    assert 'pdmesh_requests_total{path="/a\\"b",status="200"} 2.0' in text
+    assert m.requests.total() == 2
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    itl = {(s.name, s.labels.get("le")): s.value
+           for s in fams["pdmesh_inter_token_latency_seconds"].samples}
+    assert itl[("pdmesh_inter_token_latency_seconds_bucket", "0.1")] == 2
+    assert itl[("pdmesh_inter_token_latency_seconds_bucket", "+Inf")] == 4
+    assert itl[("pdmesh_inter_token_latency_seconds_count", None)] == 4
+    assert abs(itl[("pdmesh_inter_token_latency_seconds_sum", None)] - 10.15) < 1e-9
+    assert fams["g"].type == "gauge" and fams["g"].samples[0].value == 3
+    assert fams["x"].type == "counter" and fams["x"].samples[0].value == 7
+    assert "pdmesh_redispatches_total 0.0" in text          # exposed from the start
+    assert "_created" not in text
+    other = Metrics()                                      # a second gateway: its own registry
+    assert other.requests.total() == 0 and "status=" not in other.render({})
