@@ -51,6 +51,7 @@ from pdmesh.launch import (
     free_port,
     known_settings as _known,
     nats_server_binary,
+    split_overrides as _split_overrides,
     to_flags,
 )
 from pdmesh.natsgroup import NatsGroup
@@ -104,15 +105,7 @@ class Cluster:
                         "threads": threads},
             "kvstore": {},
         }
-        self.instance_settings: dict[str, dict[str, Any]] = {}   # "decode-0" -> fields
-        for key, kv in (overrides or {}).items():
-            service, _, index = key.partition("-")
-            if service not in self.settings or (index and not index.isdigit()):
-                raise ValueError(f"unknown service or instance {key!r} in overrides")
-            if index:
-                self.instance_settings[key] = dict(kv)
-            else:
-                self.settings[service].update(kv)
+        self.instance_settings = _split_overrides(overrides, self.settings)   # "decode-0"
         self.counts["prefill"] = group_settings(self.instance_settings, prefill, prefill_group)
         for service, kv in self.settings.items():   # fail now, not after nats started
             if self.counts[service] or service in (overrides or {}):
@@ -387,4 +380,3 @@ class Cluster:
 
 async def _quiet(_e) -> None:
     pass
-

@@ -80,6 +80,22 @@ def known_settings(service: str, settings: dict[str, Any]) -> dict[str, Any]:
     return settings
 
 
+def split_overrides(overrides: dict[str, dict[str, Any]] | None,
+                    settings: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """A service's overrides go into settings[service]; one instance's ("decode-0") come
+    back by instance name."""
+    per_instance: dict[str, dict[str, Any]] = {}
+    for key, kv in (overrides or {}).items():
+        service, _, index = key.partition("-")
+        if service not in settings or (index and not index.isdigit()):
+            raise ValueError(f"unknown service or instance {key!r} in overrides")
+        if index:
+            per_instance[key] = dict(kv)
+        else:
+            settings[service].update(kv)
+    return per_instance
+
+
 def child_env(extra_env: dict[str, str], nats_env: dict[str, str] | None = None
               ) -> dict[str, str]:
     """This process's environment, unbuffered, with the repository importable; the NATS
