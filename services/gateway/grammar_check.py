@@ -35,7 +35,7 @@ log = logging.getLogger("pdmesh.gateway")
 
 
 class GrammarGuard:
-    def __init__(self, model_dir: str, vocab_size: int, timeout_s: float, workers: int = 2):
+    def __init__(self, model_dir: str, vocab_size: int, timeout_s: float, workers: int = 4):
         self.model_dir, self.vocab_size, self.timeout_s = model_dir, vocab_size, timeout_s
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="gateway-grammar")
         self._compiler = None
