@@ -4,7 +4,8 @@ A real mesh with a 48-block decode pool, random delays on every KV write, ~40% o
 requests cancelled by the client at a random moment (right after submit too), abort storms
 and a prefill SIGKILLed mid-run: every completed request equals its reference token for
 token, and afterwards no block is used or quarantined and every service is healthy.
-scripts/chaos.py runs the same at 10,000 requests, and with the guards switched off."""
+test_chaos_controls.py runs each guard alone, and neither (the negative controls);
+scripts/chaos.py runs any of them at scale (docs/bench/chaos_*)."""
 from __future__ import annotations
 
 import asyncio

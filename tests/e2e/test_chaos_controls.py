@@ -1,8 +1,8 @@
 """Invariant 3's negative controls: each guard alone is sufficient, and with neither the
 chaos run sees corruption.
 
-One short chaos run made hazardous on purpose (pdmesh.chaos.HAZARD: KV writes delayed up
-to 0.4 s each, half the requests cancelled, abort storms; fixed seed), three times:
+One short chaos run made hazardous on purpose (pdmesh.chaos.HAZARD: 400 requests, KV
+writes delayed up to 0.4 s each, half cancelled, abort storms; fixed seed), three times:
 
     fence only (reclaim-ack off)  no mismatch, and writes were fenced: late writes for
                                   reused blocks arrived and the epoch fence kept them out
@@ -11,6 +11,8 @@ to 0.4 s each, half the requests cancelled, abort storms; fixed seed), three tim
     neither                       mismatches: the run does reach the corruption the guards
                                   prevent, so its 0 with a guard means something
 
+Without a guard about 1 compared request in 12 differs (13, 18 and 20 of 198 in three
+runs), so a guarded run's 0 in ~200 is no accident: (11/12)^200 < 1e-7.
 test_chaos.py runs both guards at 1,000 requests; scripts/chaos.py --guards all runs the
 four configurations side by side at any size."""
 from __future__ import annotations
