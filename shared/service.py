@@ -165,7 +165,8 @@ class ServiceRuntime:
                 return
             except Exception as e:  # noqa: BLE001 - never let a message kill the service
                 log.exception("%s: handler %s failed", self.service, name)
-                await _respond_error(req, ErrorReply(code=ErrorCode.INTERNAL, message=repr(e)))
+                await _respond_error(req, ErrorReply(    # its type only: no repr, no path
+                    code=ErrorCode.INTERNAL, message=f"internal error ({type(e).__name__})"))
                 return
             if reply is not None and req._msg.reply:
                 await req.respond(reply)

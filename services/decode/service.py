@@ -309,7 +309,8 @@ class DecodeService:
             return
         except Exception as e:  # noqa: BLE001 - never leave an accepted request hanging
             log.exception("%s: cannot start decoding", rid)
-            await self.stream.fail(rid, ErrorCode.INTERNAL, f"decode could not start: {e!r}",
+            await self.stream.fail(rid, ErrorCode.INTERNAL, f"decode could not start "
+                                   f"({type(e).__name__})",
                                    AbortReason.START_ERROR)
             return
         await self.stream.publish(out)

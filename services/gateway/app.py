@@ -207,8 +207,8 @@ async def _generate(request: web.Request, parse, id_prefix: str) -> web.StreamRe
 
 async def models(request: web.Request) -> web.Response:
     s = request.app[GATEWAY].spec
-    return web.json_response(P.model_list(s.name, s.created, s.max_model_len,
-                                          request.app[GATEWAY].cfg.model))
+    # root: the served name, never the model's folder (no filesystem path in a response)
+    return web.json_response(P.model_list(s.name, s.created, s.max_model_len, s.name))
 
 
 async def model(request: web.Request) -> web.Response:
@@ -218,7 +218,7 @@ async def model(request: web.Request) -> web.Response:
         raise OpenAIError(404, f"The model `{name}` does not exist; this server serves "
                                f"`{gw.spec.name}`.", "model", code="model_not_found")
     s = gw.spec
-    return web.json_response(P.model_card(s.name, s.created, s.max_model_len, gw.cfg.model))
+    return web.json_response(P.model_card(s.name, s.created, s.max_model_len, s.name))
 
 
 async def health(request: web.Request) -> web.Response:
