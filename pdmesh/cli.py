@@ -173,9 +173,14 @@ def _print_ready(cluster) -> None:
     print(f"\npdmesh is up: {cluster.url}   (nats {cluster.nats_url})\n\n"
           f"  curl -s {cluster.url}/v1/chat/completions -H 'Content-Type: application/json' "
           f"-d {shlex.quote(body)}\n\n"
-          f"  pdmesh status --nats-url {shlex.quote(cluster.nats_url)}\n"
+          f"  {_tls_env(cluster)}pdmesh status --nats-url {shlex.quote(cluster.nats_url)}\n"
           f"{_debug_hint(cluster)}"
           "Ctrl-C stops everything.\n", flush=True)
+
+
+def _tls_env(cluster) -> str:
+    s = cluster.secrets
+    return f"PDMESH_NATS_TLS_CA={s.tls.ca} " if s is not None and s.tls else ""
 
 
 def _debug_hint(cluster) -> str:
