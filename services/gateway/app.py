@@ -27,6 +27,7 @@ from shared.service import ServiceRuntime
 
 from . import auth, limits, protocol as P
 from .apis.routes import add_routes, api_error_response
+from .choices import answer_n
 from .config import GatewayConfig
 from .dispatch import ClientGone, DecodeClient
 from .grammar_check import GrammarGuard, deferred
@@ -194,6 +195,8 @@ async def _generate(request: web.Request, parse, id_prefix: str) -> web.StreamRe
         body = await request.read()
         prep = await gw.prepare(parse, body)
         rid = f"{id_prefix}-{uuid.uuid4().hex}"
+        if prep.options.n > 1:
+            return await answer_n(request, gw, prep, rid, arrival)
         d = await gw.client.submit(rid, prep.prompt_ids, prep.params, prep.constraint,
                                    prep.options.force_path, gw.cache_salt(request, prep))
         gw.metrics.placements.inc(placement=d.path.value)

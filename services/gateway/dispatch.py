@@ -79,6 +79,7 @@ class Submission:
     tried: set[str] = field(default_factory=set)   # instances it was sent to
     resume_from: int = 0       # migration: trailing prompt tokens that are output so far
     cache_salt: str = ""       # the tenant's prefix-cache salt (auth.cache_salt)
+    prefer: str | None = None  # n > 1: the instance whose L1 holds the prompt (choices.py)
 
 
 @dataclass(slots=True)
@@ -166,12 +167,13 @@ class DecodeClient:
     # ---- submit ------------------------------------------------------------------------
     async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      constraint: Constraint, force_path: str | None = None,
-                     cache_salt: str = "") -> Dispatch:
+                     cache_salt: str = "", prefer: str | None = None) -> Dispatch:
+        """prefer: send it there first if that instance is alive (else as usual)."""
         if params.seed is None:
             params = msgspec.structs.replace(params, seed=self._rng.getrandbits(63))
         return await self._send(Submission(request_id, prompt_ids, params, constraint,
                                            Path(force_path) if force_path else None,
-                                           cache_salt=cache_salt))
+                                           cache_salt=cache_salt, prefer=prefer))
 
     async def redispatch(self, d: Dispatch) -> Dispatch | None:
         """d was aborted for an acceptance anomaly: the same submission to an instance
@@ -222,7 +224,7 @@ class DecodeClient:
         reasons: list[str] = []
         cached = self.affinity.best(sub.prompt_ids, sub.cache_salt)
         await self._until_sighted(tried)
-        while (inst := self.registry.choose(self.clock(), tried, cached)) is not None:
+        while (inst := self._choose(sub, cached)) is not None:
             rid = sub.request_id if not tried else f"{sub.request_id}.{len(tried)}"
             tried.add(inst)
             queue: asyncio.Queue = asyncio.Queue()
@@ -249,6 +251,12 @@ class DecodeClient:
         if reasons:
             why += ": " + "; ".join(reasons)
         raise OpenAIError(503, why, code="no_decode_instance")
+
+    def _choose(self, sub: Submission, cached: dict[str, int]) -> str | None:
+        p = sub.prefer
+        if p and p not in sub.tried and self.registry.is_alive(p, self.clock()):
+            return p
+        return self.registry.choose(self.clock(), sub.tried, cached)
 
     async def _submit(self, inst: str, rid: str, sub: Submission) -> SubmitAck | str:
         """DecodeSubmit to one instance: its acknowledgement, or why to try another one

@@ -207,11 +207,17 @@ async def _complete(request, client, ans: Answer, rid, deadline) -> web.Response
     while not ans.d.finished:
         ans.add(await next_chunk(client, ans, deadline, gone))
     d = ans.d
+    body = whole_body(ans, rid, int(time.time()))
+    return web.Response(body=P.dumps(body), content_type="application/json",
+                        headers={"x-pdmesh-path": d.path.value, "x-pdmesh-decode": d.instance})
+
+
+def whole_body(ans: Answer, rid: str, created: int) -> dict:
+    """A finished answer's JSON body (one choice, index 0)."""
     o = ans.prep.options
-    created = int(time.time())
     text = "".join(ans.parts)
     if o.chat and o.tool_calls:
-        content, calls = parse_tool_calls(text, rid)
+        content, calls = parse_tool_calls(text, ans.rid)
         finish = FinishReason.TOOL_CALLS.value if calls else ans.finish_reason
         body = P.chat_completion(rid, created, o.model, content, finish, ans.usage,
                                  ans.all_logprobs(), tool_calls=calls)
@@ -221,8 +227,7 @@ async def _complete(request, client, ans: Answer, rid, deadline) -> web.Response
                      ans.all_logprobs())
     if o.return_token_ids:
         body["choices"][0]["token_ids"] = ans.token_ids
-    return web.Response(body=P.dumps(body), content_type="application/json",
-                        headers={"x-pdmesh-path": d.path.value, "x-pdmesh-decode": d.instance})
+    return body
 
 
 async def _stream(request, client, ans: Answer, rid, deadline) -> web.StreamResponse:

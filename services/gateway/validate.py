@@ -29,6 +29,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_TOP_LOGPROBS = 20
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 SEED_RANGE = (-(1 << 63), 1 << 64)
+MAX_N = 16                 # choices per request (n); each is a generation of its own
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +44,7 @@ class Options:
     force_path: str | None = None          # "pd" | "colocated"
     tool_calls: bool = False               # parse the output into tool_calls (chat, tools on)
     cache_salt: str | None = None          # the body's own (vLLM's); see auth.cache_salt
+    n: int = 1                             # choices (chat and completions; choices.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,9 +162,8 @@ def _check_model(model: str | None, spec: ModelSpec) -> None:
 
 
 def _check_common(req) -> None:
-    if req.n is not None and req.n != 1:
-        raise OpenAIError(400, f"'n' must be 1 (only one choice per request is supported), "
-                               f"got {req.n}", "n")
+    if req.n is not None and not 1 <= req.n <= MAX_N:
+        raise OpenAIError(400, f"'n' must be in [1, {MAX_N}], got {req.n}", "n")
     if req.stream_options is not None and not req.stream:
         raise OpenAIError(400, "'stream_options' is only allowed when 'stream' is true",
                           "stream_options")
@@ -368,7 +369,7 @@ def _options(req, spec: ModelSpec, chat: bool, logprobs: bool,
     return Options(chat=chat, model=spec.name, stream=stream, include_usage=include_usage,
                    logprobs=logprobs, return_token_ids=bool(req.return_token_ids),
                    force_path=req.pdmesh_path, tool_calls=tool_calls,
-                   cache_salt=req.cache_salt)
+                   cache_salt=req.cache_salt, n=req.n or 1)
 
 
 def _or(value, default):

@@ -24,7 +24,7 @@ BAD = [
     ("POST", "/v1/chat/completions", {"model": "tiny-target", "messages": [{"role": "user", "content": "x"}], "temperature": 7}, 400),
     ("POST", "/v1/chat/completions", {"model": "tiny-target", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400),
     ("POST", "/v1/chat/completions", {"model": "tiny-target", "messages": [{"role": "user", "content": "x"}], "max_tokens": 10 ** 7}, 400),
-    ("POST", "/v1/chat/completions", {"model": "tiny-target", "messages": [{"role": "user", "content": "x"}], "n": 3}, 400),
+    ("POST", "/v1/chat/completions", {"model": "tiny-target", "messages": [{"role": "user", "content": "x"}], "n": 99}, 400),
     ("POST", "/v1/chat/completions", {"model": "tiny-target", "messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}, 400),
     ("POST", "/v1/chat/completions", {"model": "tiny-target", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"abc": 1}}, 400),
     ("POST", "/v1/chat/completions", {"model": "tiny-target", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 50, "logprobs": True}, 400),
