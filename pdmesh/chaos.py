@@ -218,8 +218,8 @@ class _Load:
         cfg, t = self.cfg, self.t
         storm_at = {int(cfg.requests * (k + 1) / (cfg.storms + 1)) for k in range(cfg.storms)}
         kill_at = int(cfg.requests * 0.4) if cfg.kill_prefill and cfg.prefill > 0 else -1
-        tasks, i = [], 0
-        while i < cfg.requests or t.completed < cfg.min_completed:
+        tasks, i, most = [], 0, 3 * max(cfg.requests, cfg.min_completed)   # most: a broken mesh
+        while i < cfg.requests or (t.completed < cfg.min_completed and i < most):
             if i in storm_at:
                 tasks.append(asyncio.ensure_future(self.storm(http)))
             if i == kill_at:

@@ -111,8 +111,9 @@ def plot_compare(res: dict, out: Path) -> None:
     ax[0].bar(names, [runs[g]["mismatches"] for g in names],
               color=["tab:red" if runs[g]["mismatches"] else "tab:green" for g in names])
     for i, g in enumerate(names):
-        ax[0].annotate(f"{runs[g]['mismatches']} / {runs[g]['completed']}", (i, 0),
-                       ha="center", va="bottom", fontsize=8)
+        ax[0].annotate(f"{runs[g]['mismatches']} / {runs[g]['completed']}",
+                       (i, runs[g]["mismatches"]), ha="center", va="bottom", fontsize=9)
+    ax[0].set_ylim(0, 1.15 * max(1, *(runs[g]["mismatches"] for g in names)))
     ax[0].set_title("mismatches / completed requests")
     width = 0.27
     for j, (k, c) in enumerate((("kv_writes_fenced", "tab:red"),
@@ -122,14 +123,16 @@ def plot_compare(res: dict, out: Path) -> None:
                   [runs[g].get(k, 0) for g in names], width, color=c, label=k)
     ax[1].set_xticks(range(len(names)), names)
     ax[1].set_title("late KV writes met")
-    ax[1].legend(fontsize=8)
+    ax[1].legend(fontsize=8, ncol=2)
     bottom = [0] * len(names)
     for o, c in OUTCOME_COLORS.items():
         ys = [runs[g]["reclaims_by_outcome"].get(o, 0) for g in names]
         ax[2].bar(names, ys, bottom=bottom, color=c, label=o)
         bottom = [b + y for b, y in zip(bottom, ys)]
     ax[2].set_title("reclaims by outcome")
-    ax[2].legend(fontsize=8)
+    for a in ax[1:]:
+        a.set_ylim(0, 1.3 * a.get_ylim()[1])      # room for the legend above the bars
+    ax[2].legend(fontsize=8, ncol=2)
     r0 = runs[names[0]]
     fig.suptitle(f"chaos negative controls: {r0['requests']:,} requests per configuration "
                  f"(seed {r0['config']['seed']}); guards: both, fence only (reclaim-ack off), "

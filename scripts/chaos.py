@@ -39,7 +39,8 @@ def args() -> argparse.Namespace:
                     help="send on past --requests until N requests completed (were compared)")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--abort-rate", type=float, default=None)
-    ap.add_argument("--storms", type=int, default=None, help="default 10")
+    ap.add_argument("--storms", type=int, default=None,
+                    help="abort storms, spread over the run (default one per 1,000 requests)")
     ap.add_argument("--storm-size", type=int, default=None)
     ap.add_argument("--prefill", type=int, default=None)
     ap.add_argument("--no-kill", action="store_true", help="do not SIGKILL a prefill")
@@ -70,16 +71,19 @@ def args() -> argparse.Namespace:
 
 
 def config(a: argparse.Namespace) -> ChaosConfig:
-    base = ChaosConfig(model=a.model, requests=10_000, storms=10, seed=a.seed,
+    base = ChaosConfig(model=a.model, requests=10_000, seed=a.seed,
                        log_dir=a.log_dir, concurrency=a.concurrency)
     if a.hazard:
         base = replace(base, **HAZARD)
     if a.completed and a.requests is None:
         a.requests = int(a.completed * 1.85)      # ~54% complete at the default abort rate
-    given = dict(requests=a.requests, min_completed=a.completed or None, abort_rate=a.abort_rate, storms=a.storms,
-                 storm_size=a.storm_size, prefill=a.prefill, num_blocks=a.num_blocks,
-                 write_delay_s=a.write_delay, kv_window=a.kv_window, lease_s=a.lease)
+    given = dict(requests=a.requests, min_completed=a.completed or None,
+                 abort_rate=a.abort_rate, storms=a.storms, storm_size=a.storm_size,
+                 prefill=a.prefill, num_blocks=a.num_blocks, write_delay_s=a.write_delay,
+                 kv_window=a.kv_window, lease_s=a.lease)
     cfg = replace(base, **{k: v for k, v in given.items() if v is not None})
+    if a.storms is None and not a.hazard:
+        cfg = replace(cfg, storms=max(3, cfg.requests // 1000))
     return replace(cfg, kill_prefill=False) if a.no_kill else cfg
 
 
