@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from dataclasses import replace
@@ -138,16 +139,31 @@ def all_four(cfg: ChaosConfig, saver: Saver) -> int:
     return 1 if cmp["problems"] else 0
 
 
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> int:
     a = args()
     cfg = config(a)
     model = Path(a.model).name
     if a.guards == "all":
         stem = a.name or f"chaos_guards_{model}"
-        return all_four(cfg, Saver(Path(a.out), stem, a.save_every))
-    cfg = with_guards(cfg, a.guards)
-    stem = a.name or ("chaos_" + ("" if a.guards == "both" else a.guards + "_") + model)
-    return one(cfg, Saver(Path(a.out), stem, a.save_every))
+    else:
+        cfg = with_guards(cfg, a.guards)
+        stem = a.name or ("chaos_" + ("" if a.guards == "both" else a.guards + "_") + model)
+    saver = Saver(Path(a.out), stem, a.save_every)
+    # Ctrl-C, or kill: the mesh is stopped, the partial JSON stays (also when started in
+    # the background, where SIGINT would be ignored)
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return all_four(cfg, saver) if a.guards == "all" else one(cfg, saver)
+    except KeyboardInterrupt:
+        left = (f"the numbers so far are in {saver.partial}" if saver.partial.exists()
+                else "no numbers yet")
+        print(f"interrupted: {left}", flush=True)
+        return 130
 
 
 if __name__ == "__main__":
