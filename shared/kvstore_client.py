@@ -11,7 +11,7 @@ import asyncio
 import logging
 from collections import deque
 
-from shared import subjects
+from shared import subjects, tracing
 from shared.contracts.common import Codec, encode
 from shared.contracts.kvcache import (
     KvFetch,
@@ -47,9 +47,10 @@ class KvstoreClient:
             return 0
         self.counters["kv_lookups"] += 1
         try:
-            msg = await self.nc.request(subjects.kvstore_lookup(),
-                                        encode(KvLookup(keys=[k.hex() for k in keys])),
-                                        timeout=self.timeout_s)
+            with tracing.span("cache_lookup", kind="CLIENT", keys=len(keys)):
+                msg = await self.nc.request(subjects.kvstore_lookup(),
+                                            encode(KvLookup(keys=[k.hex() for k in keys])),
+                                            timeout=self.timeout_s)
             return decode_reply(msg.data, msg.headers, LOOKUP_REPLY).hits
         except Exception as e:  # noqa: BLE001 - no kvstore: a miss
             self.counters["kv_lookup_errors"] += 1
@@ -62,7 +63,8 @@ class KvstoreClient:
         problem so the engine recomputes."""
         self.counters["kv_loads"] += 1
         try:
-            await self._load(engine, ld)
+            with tracing.span("cache_load", kind="CLIENT", blocks=len(ld.keys)):
+                await self._load(engine, ld)
         except Exception as e:  # noqa: BLE001 - any failure: the engine recomputes
             self.counters["kv_load_failures"] += 1
             log.info("%s: KV load failed (%r); recomputing", ld.request_id, e)

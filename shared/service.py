@@ -25,7 +25,7 @@ import nats
 from nats.micro import add_service
 from nats.micro.request import Request
 
-from shared import subjects
+from shared import subjects, tracing
 from shared.contracts.common import Codec, ContractError, ErrorCode, ErrorReply, encode
 from shared.contracts.messages import Health, Heartbeat
 from shared.natsconn import NatsAuth, connect_kwargs
@@ -80,6 +80,7 @@ class ServiceRuntime:
     async def start(self) -> None:
         self.nc = await connect(self.nats_url, name=f"{self.service}:{self.instance_id}",
                                 auth=self.auth)
+        tracing.instrument(self.nc)      # trace context in every message's headers (if on)
         self.micro = await add_service(
             self.nc, name=self.service, version=VERSION, description=self.description,
             metadata={"instance_id": self.instance_id},
@@ -171,7 +172,8 @@ class ServiceRuntime:
             if reply is not None and req._msg.reply:
                 await req.respond(reply)
 
-        await self.micro.add_endpoint(name=name, subject=subject, handler=wrapped,
+        await self.micro.add_endpoint(name=name, subject=subject,
+                                      handler=tracing.traced_handler(self.service, name, wrapped),
                                       queue_group=queue_group or "q")
 
 

@@ -149,15 +149,21 @@ def service_main(name: str, config_cls: type, serve: Callable[[Any], Any],
     """`python -m services.<name>`: settings, then the coroutine serve(cfg) returns, on
     uvloop until SIGTERM. A bad setting (or serve raising ValueError/OSError before it
     returns its coroutine) exits 2 with one clear line, never a traceback."""
+    from shared import tracing
     from shared.service import setup_logging
 
     setup_logging()
     try:
-        main = serve(load(config_cls, argv, prog=f"python -m services.{name}"))
+        cfg = load(config_cls, argv, prog=f"python -m services.{name}")
+        tracing.configure(getattr(cfg, "otlp_endpoint", ""), name)     # off unless set
+        main = serve(cfg)
     except (ValueError, OSError) as e:
         print(f"{name}: {e}", file=sys.stderr)
         return 2
     import uvloop
 
-    uvloop.run(main)
+    try:
+        uvloop.run(main)
+    finally:
+        tracing.shutdown()                                          # flush batched spans
     return 0

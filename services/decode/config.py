@@ -35,6 +35,9 @@ class DecodeConfig:
     engine: EngineConfig = field(default_factory=_engine, metadata={"prefix": ""})
     nats_url: str = "nats://127.0.0.1:4222"
     nats: NatsAuth = field(default_factory=NatsAuth, metadata={"prefix": "nats_"})   # identity, TLS
+    otlp_endpoint: str = field(default="", metadata={"help": (
+        "OpenTelemetry: export spans over OTLP/HTTP to this collector (http://host:4318); "
+        "off when empty")})
     instance_id: str = field(default="", metadata={"help": "default: generated"})
     mode: str = field(default="auto", metadata={"help": "auto | pd | colocated"})
     min_pd_prompt_tokens: int = field(default=0, metadata={

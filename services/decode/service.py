@@ -19,7 +19,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from shared import subjects
+from shared import subjects, tracing
 from shared.contracts.common import Codec, ContractError, ErrorCode, Ok, encode
 from shared.contracts.kv import KvWrite, KvWriteAck
 from shared.contracts.messages import (
@@ -89,6 +89,7 @@ class DecodeService:
         self.stream = TokenStream(self.iid, self.table, None, self.reclaimer, self.monitor,
                                   self.write_back)
         self.writeback = None
+        self.spans = tracing.Spans("decode")     # await_kv, generate: per request (if on)
         if peers is not None:
             self.connect(peers)
 
@@ -98,6 +99,7 @@ class DecodeService:
         self.peers = self.reclaimer.peers = self.stream.peers = peers
 
     def _forget(self, rid: str) -> None:
+        self.spans.end_all(rid)
         if self.monitor is not None:
             self.monitor.forget(rid)
 
@@ -227,22 +229,25 @@ class DecodeService:
                                 constraint=sub.constraint, replay=sub.resume_from,
                                 cache_salt=sub.cache_salt)
         self.table.admit_local(sub.request_id, path=Path.COLOCATED, **fields)
+        self.spans.start(sub.request_id, "generate", path="colocated")
 
     async def _reserve(self, sub: DecodeSubmit) -> Slots:
         tier = 0
         if self.cfg.kvstore and self.kvc is not None:
             tier = await self.kvc.lookup(self.engine.prefix_keys(sub.prompt_ids, sub.cache_salt))
-        slots = self.slots.reserve(sub.request_id, sub.prompt_ids, sub.params, sub.constraint,
-                                   tier, self.table.stats()["awaiting_kv"], sub.resume_from,
-                                   sub.cache_salt)
-        if slots.load is not None:
-            self.rt.spawn(self.kvc.load(self.engine, slots.load))
+        with tracing.span("reserve", kvstore_blocks=tier):
+            slots = self.slots.reserve(sub.request_id, sub.prompt_ids, sub.params, sub.constraint,
+                                       tier, self.table.stats()["awaiting_kv"], sub.resume_from,
+                                       sub.cache_salt)
+            if slots.load is not None:
+                self.rt.spawn(self.kvc.load(self.engine, slots.load))
         return slots
 
     async def _dispatch(self, sub: DecodeSubmit, slots: Slots) -> None:
         dest = KvDestination(instance_id=self.iid, block_ids=slots.dest, epochs=slots.epochs,
                              skip_blocks=slots.skip)
         job = make_prefill_job(sub, dest, self.cfg.model, self.engine.cfg.block_size)
+        self.spans.start(sub.request_id, "await_kv", blocks=len(slots.dest))
         try:
             await self.peers.queue_job(job)
             self.table.queued(sub.request_id)
@@ -297,6 +302,8 @@ class DecodeService:
 
     async def _start(self, done: PrefillDone) -> None:
         rid = done.request_id
+        self.spans.end(rid, "await_kv")
+        self.spans.start(rid, "generate", path="pd", cached_tokens=done.cached_tokens)
         self.table.start(rid)
         self.table.get(rid).cached_tokens = done.cached_tokens
         try:

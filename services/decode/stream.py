@@ -62,6 +62,7 @@ class TokenStream:
             self.table.finish(o.request_id)
             if self.monitor is not None:
                 self.monitor.forget(o.request_id)
+            self.reclaimer.forget(o.request_id)     # per-request state elsewhere (trace spans)
         await self._send(r.reply_subject, chunk)
 
     async def fail(self, rid: str, code: ErrorCode, message: str, reason,

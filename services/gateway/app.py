@@ -25,7 +25,7 @@ from shared.contracts.common import ErrorCode
 from shared.contracts.messages import Heartbeat
 from shared.service import ServiceRuntime
 
-from . import auth, limits, protocol as P
+from . import auth, limits, protocol as P, trace
 from .apis.routes import add_routes, api_error_response
 from .choices import answer_n
 from .config import GatewayConfig
@@ -152,7 +152,7 @@ def create_app(cfg: GatewayConfig, spec: ModelSpec | None = None) -> web.Applica
     `spec` defaults to ModelSpec.load(cfg) (tokenizer + config.json of cfg.model)."""
     gw = Gateway(cfg, spec or ModelSpec.load(cfg))
     app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[
-        _errors, auth.middleware(gw.keys, cfg.open_metrics),
+        *trace.middlewares(), _errors, auth.middleware(gw.keys, cfg.open_metrics),
         limits.body_middleware(lambda: gw.body_limit)])
     app[GATEWAY] = gw
     app.router.add_post("/v1/chat/completions", chat_completions)

@@ -24,6 +24,9 @@ class GatewayConfig:
         "model id clients send and /v1/models lists (default: the folder name)"))
     nats_url: str = field(default="nats://127.0.0.1:4222", metadata=_help("NATS server URL"))
     nats: NatsAuth = field(default_factory=NatsAuth, metadata={"prefix": "nats_"})   # identity, TLS
+    otlp_endpoint: str = field(default="", metadata=_help(
+        "OpenTelemetry: export spans over OTLP/HTTP to this collector (http://host:4318); "
+        "off when empty (PDMESH_OTLP_ENDPOINT sets it for every service)"))
     host: str = field(default="127.0.0.1", metadata=_help("HTTP listen address"))
     port: int = field(default=8000, metadata=_help("HTTP listen port"))
     instance_id: str = field(default="", metadata=_help(

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import msgspec
 import nats.errors
 
-from shared import subjects
+from shared import subjects, tracing
 from shared.contracts.common import Codec, ContractError, ErrorCode, ErrorReply, encode
 from shared.contracts.constraint import Constraint
 from shared.contracts.messages import Abort, DecodeSubmit, Heartbeat, Path, SubmitAck, TokenChunk
@@ -79,7 +79,7 @@ class Submission:
     tried: set[str] = field(default_factory=set)   # instances it was sent to
     resume_from: int = 0       # migration: trailing prompt tokens that are output so far
     cache_salt: str = ""       # the tenant's prefix-cache salt (auth.cache_salt)
-    prefer: str | None = None  # n > 1: the instance whose L1 holds the prompt (choices.py)
+    prefer: str | None = None  # tried first if alive (n > 1: choice 0's instance, choices.py)
 
 
 @dataclass(slots=True)
@@ -168,7 +168,6 @@ class DecodeClient:
     async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      constraint: Constraint, force_path: str | None = None,
                      cache_salt: str = "", prefer: str | None = None) -> Dispatch:
-        """prefer: send it there first if that instance is alive (else as usual)."""
         if params.seed is None:
             params = msgspec.structs.replace(params, seed=self._rng.getrandbits(63))
         return await self._send(Submission(request_id, prompt_ids, params, constraint,
@@ -224,7 +223,7 @@ class DecodeClient:
         reasons: list[str] = []
         cached = self.affinity.best(sub.prompt_ids, sub.cache_salt)
         await self._until_sighted(tried)
-        while (inst := self._choose(sub, cached)) is not None:
+        while (inst := self.registry.choose(self.clock(), tried, cached, sub.prefer)) is not None:
             rid = sub.request_id if not tried else f"{sub.request_id}.{len(tried)}"
             tried.add(inst)
             queue: asyncio.Queue = asyncio.Queue()
@@ -252,12 +251,6 @@ class DecodeClient:
             why += ": " + "; ".join(reasons)
         raise OpenAIError(503, why, code="no_decode_instance")
 
-    def _choose(self, sub: Submission, cached: dict[str, int]) -> str | None:
-        p = sub.prefer
-        if p and p not in sub.tried and self.registry.is_alive(p, self.clock()):
-            return p
-        return self.registry.choose(self.clock(), sub.tried, cached)
-
     async def _submit(self, inst: str, rid: str, sub: Submission) -> SubmitAck | str:
         """DecodeSubmit to one instance: its acknowledgement, or why to try another one
         (its chunk queue is dropped then); raises what another instance would not change."""
@@ -269,8 +262,9 @@ class DecodeClient:
         data = encode(msg)
         check_fits(len(data), getattr(self.nc, "max_payload", 0))
         try:
-            reply = await self.nc.request(subjects.decode_submit(inst), data,
-                                          timeout=self.submit_timeout_s)
+            with tracing.span("submit", kind="CLIENT", request_id=rid, decode=inst):
+                reply = await self.nc.request(subjects.decode_submit(inst), data,
+                                              timeout=self.submit_timeout_s)
             return decode_reply(reply.data, reply.headers, ACK)
         except ServiceError as e:
             self.queues.pop(rid, None)

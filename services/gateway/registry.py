@@ -96,8 +96,9 @@ class Registry:
 
     def choose(self, now: float, exclude: set[str] | frozenset[str] = frozenset(),
                cached: dict[str, int] | None = None, min_cached: int = 256,
-               max_extra_load: int = 4) -> str | None:
-        """The least loaded live, compatible instance not in `exclude`, or None.
+               max_extra_load: int = 4, prefer: str | None = None) -> str | None:
+        """`prefer` if it is a candidate (n > 1: choice 0's instance, which holds the
+        prompt), else the least loaded live, compatible instance not in `exclude`, or None.
         cached: instance -> prompt tokens it likely holds in its prefix cache; the
         instance with the most (at least min_cached) wins unless it carries more than
         max_extra_load requests above the least loaded one (then balance wins)."""
@@ -105,6 +106,8 @@ class Registry:
                  if i.hb.instance_id not in exclude and self.compatible(i) and i.hb.accepting]
         if not cands:
             return None
+        if prefer is not None and any(i.hb.instance_id == prefer for i in cands):
+            return prefer
         best = min(cands, key=lambda i: (i.load, -i.hb.blocks_free, i.hb.instance_id))
         if cached:
             warm = [i for i in cands if cached.get(i.hb.instance_id, 0) >= min_cached

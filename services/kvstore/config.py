@@ -12,6 +12,9 @@ class KvstoreConfig:
     """pdmesh kvstore: hierarchical KV cache (HiCache) tiers L2 (host memory) and L3 (disk)."""
     nats_url: str = "nats://127.0.0.1:4222"
     nats: NatsAuth = field(default_factory=NatsAuth, metadata={"prefix": "nats_"})   # identity, TLS
+    otlp_endpoint: str = field(default="", metadata={"help": (
+        "OpenTelemetry: export spans over OTLP/HTTP to this collector (http://host:4318); "
+        "off when empty")})
     instance_id: str = field(default="", metadata={"help": "default: generated"})
     host_cache_mb: float = field(default=1024, metadata={"help": "L2 budget (0: no host tier)"})
     disk_cache_mb: float = field(default=4096, metadata={"help": "L3 budget (0: no disk tier)"})

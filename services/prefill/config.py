@@ -23,6 +23,9 @@ class PrefillConfig:
     engine: EngineConfig = field(default_factory=_engine, metadata={"prefix": ""})
     nats_url: str = "nats://127.0.0.1:4222"
     nats: NatsAuth = field(default_factory=NatsAuth, metadata={"prefix": "nats_"})   # identity, TLS
+    otlp_endpoint: str = field(default="", metadata={"help": (
+        "OpenTelemetry: export spans over OTLP/HTTP to this collector (http://host:4318); "
+        "off when empty")})
     instance_id: str = field(default="", metadata={"help": "default: generated"})
     kv_window: int = field(default=8, metadata={"help": "KV writes in flight per job (credits)"})
     kv_ack_timeout_s: float = 10.0

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 import msgspec
 import nats.errors
 
-from shared import subjects
+from shared import subjects, tracing
 from shared.contracts.common import Codec, ContractError, ErrorCode, ErrorReply
 from shared.contracts.messages import Heartbeat, PrefillDone, PrefillJob, PrefillStatus
 from shared.contracts.reclaim import PrefillClaim
@@ -158,7 +158,10 @@ class PrefillService:
 
     async def run_job(self, msg) -> None:
         try:
-            await self._run_job(msg)
+            with tracing.server("prefill", "job", getattr(msg, "headers", None), "CONSUMER"):
+                if tracing.ON:
+                    tracing.interval("queue", _queued_ns(msg))   # in the work queue
+                await self._run_job(msg)
         finally:
             self.active -= 1
             self.slots.release()
@@ -202,12 +205,14 @@ class PrefillService:
         local_id = f"{job.request_id}/{attempt[:8]}"
         t0 = time.monotonic()
         try:
-            out, tier = await self.compute(local_id, job)
+            with tracing.span("compute", prompt_tokens=len(job.prompt_ids)):
+                out, tier = await self.compute(local_id, job)
             compute_s = time.monotonic() - t0
             if not self.ledger.may_issue(attempt):
                 raise Reclaimed(f"{job.request_id}: reclaimed before its first write")
             t1 = time.monotonic()
-            writes, nbytes = await self.sender.send(job, self.engine, local_id, attempt)
+            with tracing.span("kv_transfer", decode=job.dest.instance_id):
+                writes, nbytes = await self.sender.send(job, self.engine, local_id, attempt)
             transfer_s = time.monotonic() - t1
             self.counters["kv_writes"] += writes
             self.counters["kv_bytes"] += nbytes
@@ -246,7 +251,8 @@ class PrefillService:
         c = PrefillClaim(request_id=job.request_id, attempt=attempt, prefill_instance=self.iid,
                          block_ids=job.dest.block_ids, epochs=job.dest.epochs)
         try:
-            reply = await self.peers.claim(job.dest.instance_id, c, self.cfg.claim_timeout_s)
+            with tracing.span("claim", kind="CLIENT", decode=job.dest.instance_id):
+                reply = await self.peers.claim(job.dest.instance_id, c, self.cfg.claim_timeout_s)
         except Exception as e:  # noqa: BLE001 - decode gone or silent: it cannot use this KV
             log.info("%s: claim unanswered (%r); dropping the job", job.request_id, e)
             return False
@@ -319,6 +325,14 @@ class PrefillService:
                 fut.set_exception(RuntimeError(f"engine step failed: {e!r}"))
             self.engine.abort(rid)
         self.pending.clear()
+
+
+def _queued_ns(msg) -> int | None:
+    """When JetStream stored the job (None: not a JetStream message)."""
+    try:
+        return int(msg.metadata.timestamp.timestamp() * 1e9)
+    except Exception:  # noqa: BLE001 - tests' stand-ins
+        return None
 
 
 def _deliveries(msg) -> int:

@@ -36,6 +36,18 @@ def test_ties_go_to_more_free_blocks_and_exclude_is_honoured():
     assert "tried" in r.why_none(0.0, {"a", "b"})
 
 
+def test_a_preferred_instance_wins_while_it_is_a_candidate():
+    """n > 1: choices 1..n-1 go where choice 0's prompt is cached, however loaded."""
+    r = Registry(dead_after_s=3.0)
+    r.observe(hb("a", running=9), now=0.0)
+    r.observe(hb("b"), now=0.0)
+    assert r.choose(1.0, prefer="a") == "a"
+    assert r.choose(1.0, exclude={"a"}, prefer="a") == "b"      # tried already
+    assert r.choose(5.0, prefer="a") is None                      # dead: nobody (both are)
+    r.observe(hb("b"), now=4.0)
+    assert r.choose(5.0, prefer="a") == "b"                       # dead: the usual choice
+
+
 def test_liveness_by_last_heartbeat():
     r = Registry(dead_after_s=3.0)
     r.observe(hb("a"), now=10.0)
