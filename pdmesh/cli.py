@@ -177,6 +177,7 @@ def _print_ready(cluster) -> None:
           f"{_debug_hint(cluster)}"
           "Ctrl-C stops everything.\n", flush=True)
 
+          f"  {_auth_hint(cluster.url)}\n"
 
 def _tls_env(cluster) -> str:
     s = cluster.secrets
@@ -196,6 +197,23 @@ def _debug_hint(cluster) -> str:
 
 def _served_model(url: str) -> str | None:
     import urllib.request
+def _auth_hint(url: str) -> str:
+    """Whether the gateway wants an API key, found by asking it without one."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(url + "/v1/models", timeout=2).close()
+    except urllib.error.HTTPError as e:
+        if e.code == 401:
+            return ("API keys: ON (send Authorization: Bearer KEY; keys from "
+                    "--set gateway.api_key_file=FILE or PDMESH_API_KEY)")
+    except Exception:  # noqa: BLE001 - only for the hint
+        return "API keys: unknown (the gateway did not answer)"
+    return ("API keys: OFF - anyone who can reach this port can use it "
+            "(--set gateway.api_key_file=FILE, or PDMESH_API_KEY, turns them on)")
+
+
 
     try:
         with urllib.request.urlopen(url + "/v1/models", timeout=2) as r:
