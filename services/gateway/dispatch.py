@@ -170,7 +170,7 @@ class DecodeClient:
                      cache_salt: str = "", prefer: str | None = None) -> Dispatch:
         if params.seed is None:
             params = msgspec.structs.replace(params, seed=self._rng.getrandbits(63))
-        return await self._send(Submission(request_id, prompt_ids, params, constraint,
+        return await self.send(Submission(request_id, prompt_ids, params, constraint,
                                            Path(force_path) if force_path else None,
                                            cache_salt=cache_salt, prefer=prefer))
 
@@ -182,41 +182,14 @@ class DecodeClient:
         if d.redispatches >= self.max_redispatch:
             return None
         try:
-            nd = await self._send(d.sub)
+            nd = await self.send(d.sub)
         except OpenAIError as e:
             log.warning("%s: re-dispatch failed: %s", d.sub.request_id, e.message)
             return None
         nd.redispatches, nd.migrations, nd.origin = d.redispatches + 1, d.migrations, d.origin
         return nd
 
-    async def migrate(self, d: Dispatch, output_ids: list[int], reason: str) -> Dispatch | None:
-        """d's instance was lost: continue the request elsewhere from output_ids (the
-        tokens received so far). None once max_migrations moves were made, or when no
-        instance takes it; the caller then reports the loss."""
-        if d.migrations >= self.max_migrations:
-            return None
-        origin = d.origin or d.sub
-        n = len(output_ids)
-        p = origin.params
-        if n >= p.max_tokens:
-            return None
-        params = msgspec.structs.replace(p, max_tokens=p.max_tokens - n,
-                                         min_tokens=max(0, p.min_tokens - n))
-        sub = Submission(origin.request_id, origin.prompt_ids + list(output_ids), params,
-                         origin.constraint, origin.force_path,
-                         tried=set(d.sub.tried) | {d.instance}, resume_from=n,
-                         cache_salt=origin.cache_salt)
-        await self.abort(d, f"migrated_{reason}")     # if it still lives, it stops
-        self.release(d)
-        try:
-            nd = await self._send(sub)
-        except OpenAIError as e:
-            log.warning("%s: migration failed: %s", origin.request_id, e.message)
-            return None
-        nd.redispatches, nd.migrations, nd.origin = d.redispatches, d.migrations + 1, origin
-        return nd
-
-    async def _send(self, sub: Submission) -> Dispatch:
+    async def send(self, sub: Submission) -> Dispatch:
         """To the best instance not yet tried; refusals that another may not share move
         on to the next (under a fresh request id)."""
         tried = sub.tried

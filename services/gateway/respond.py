@@ -31,6 +31,7 @@ from shared.toolcalls import ToolCallStreamParser, parse_tool_calls
 from . import protocol as P
 from .dispatch import ClientGone, DecodeClient, Dispatch, Lost, chunk_error
 from .metrics import Metrics
+from .migrate import migrate
 from .protocol import OpenAIError
 from .validate import Prepared
 
@@ -151,7 +152,7 @@ async def next_chunk(client: DecodeClient, ans: Answer, deadline: float,
         try:
             c = await client.next_chunk(ans.d, deadline, gone)
         except Lost as e:
-            nd = await client.migrate(ans.d, ans.token_ids, e.reason)
+            nd = await migrate(client, ans.d, ans.token_ids, e.reason)
             if nd is None:
                 raise
             log.warning("%s: %s; migrated to %s after %d tokens", ans.rid, e.message,
