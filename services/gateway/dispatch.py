@@ -196,7 +196,8 @@ class DecodeClient:
         reasons: list[str] = []
         cached = self.affinity.best(sub.prompt_ids, sub.cache_salt)
         await self._until_sighted(tried)
-        while (inst := self.registry.choose(self.clock(), tried, cached, sub.prefer)) is not None:
+        while (inst := self.registry.choose(self.clock(), tried, cached,
+                                            prefer=sub.prefer)) is not None:
             rid = sub.request_id if not tried else f"{sub.request_id}.{len(tried)}"
             tried.add(inst)
             queue: asyncio.Queue = asyncio.Queue()
