@@ -17,6 +17,7 @@ import sys
 import time
 
 from pdmesh.overrides import parse_kv, parse_sets
+from pdmesh.threads import parse_threads
 from shared import subjects
 
 DEFAULT_NATS_URL = os.environ.get("PDMESH_NATS_URL", "nats://127.0.0.1:4222")
@@ -53,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="batch-invariant decoding")
     up.add_argument("--mode", choices=("auto", "pd", "colocated"), default=None,
                     help="decode placement")
-    up.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    up.add_argument("--threads", type=parse_threads, default=None,
+                    help="torch threads per engine instance, or auto: the host's cores divided")
     up.add_argument("--no-kvstore", action="store_true", help="do not start kvstore")
     up.add_argument("--extra-env", action="append", default=[], metavar="K=V",
                     help="environment for every service (repeatable)")

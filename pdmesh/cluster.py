@@ -57,6 +57,7 @@ from pdmesh.launch import (
 from pdmesh.natsgroup import NatsGroup
 from pdmesh.prefill_group import group_settings
 from pdmesh.procs import Proc, Supervisor
+from pdmesh.threads import resolve_threads
 
 __all__ = ["CONFIG_CLASSES", "SERVICES", "Cluster", "ClusterError", "config_class",
            "nats_server_binary"]
@@ -71,7 +72,7 @@ class Cluster:
                  nats_auth: bool = False, nats_tls: bool = False,
                  dtype: str | None = None,
                  deterministic: bool | None = None, mode: str | None = None,
-                 threads: int | None = None, kvstore: bool = True, gateway: bool = True,
+                 threads: int | str | None = None, kvstore: bool = True, gateway: bool = True,
                  overrides: dict[str, dict[str, Any]] | None = None,
                  extra_env: dict[str, str] | None = None,
                  echo: bool | TextIO | Callable[[str], None] = True,
@@ -107,6 +108,10 @@ class Cluster:
         }
         self.instance_settings = _split_overrides(overrides, self.settings)   # "decode-0"
         self.counts["prefill"] = group_settings(self.instance_settings, prefill, prefill_group)
+        if threads == "auto":   # the host's cores divided among the engine instances
+            self.settings["decode"]["threads"] = self.settings["prefill"]["threads"] = None
+            for key, n in resolve_threads(threads, self.counts["prefill"], decode).items():
+                self.instance_settings.setdefault(key, {}).setdefault("threads", n)
         for service, kv in self.settings.items():   # fail now, not after nats started
             if self.counts[service] or service in (overrides or {}):
                 _known(service, kv | {"nats_url": "", "instance_id": ""})

@@ -4,9 +4,13 @@
   (b) our engine, one request at a time
   (c) our engine with continuous batching at concurrency 4 and 16
 plus the memory-bandwidth bound for decode at concurrency 1: weight bytes read per
-token / measured memcpy bandwidth. Everything is measured in one run; writes JSON + PNG.
+token / measured memcpy bandwidth. Each weight-only quantization in --quantize (int8,
+int4; shared/engine/quant.py) is one more engine, interleaved with the others prompt by
+prompt at c=1, with its own bound (its own weight bytes) beside the unquantized one.
+Everything is measured in one run; writes JSON + PNG.
 
     python scripts/bench_engine.py --model PATH [--dtype bfloat16] [--max-tokens 64]
+        [--quantize ,int8,int4] [--threads N]
 """
 from __future__ import annotations
 
@@ -61,10 +65,10 @@ def hf_one(model, ids: list[int], max_tokens: int) -> tuple[float, float]:
     return tn, (tn - t1) / (max_tokens - 1)
 
 
-def make_engine(path, dtype: str, concurrency: int) -> LLMEngine:
+def make_engine(path, dtype: str, concurrency: int, quantize: str = "") -> LLMEngine:
     eng = LLMEngine(EngineConfig(model=path, dtype=dtype, num_blocks=2048, block_size=16,
                                  max_num_seqs=concurrency, max_num_batched_tokens=512,
-                                 chunk_size=512))
+                                 chunk_size=512, quantize=quantize))
     eng.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
     return eng
 
@@ -86,29 +90,42 @@ def engine_run(eng: LLMEngine, prompts, max_tokens: int) -> tuple[float, int, li
     return time.perf_counter() - t0, tokens, full
 
 
-def bench_c1(path, dtype: str, prompts, max_tokens: int) -> tuple[dict, dict, int]:
-    """(a) and (b) interleaved prompt by prompt, so machine load hits both alike."""
+def variant(q: str) -> str:
+    return "engine" if not q else f"engine_{q}"
+
+
+def bench_c1(path, dtype: str, prompts, max_tokens: int, quants: list[str]
+             ) -> tuple[dict, dict, dict]:
+    """(a) and (b) interleaved prompt by prompt (every quantization too), so machine load
+    hits all alike. Returns runs, weight bytes and decode-step seconds per engine."""
     model = load_hf(path, getattr(torch, dtype))
-    eng = make_engine(path, dtype, 1)
+    engines = {variant(q): make_engine(path, dtype, 1, q) for q in quants}
     hf_one(model, prompts[0], 4)
-    hf_t = hf_tok = eng_t = eng_tok = 0.0
-    hf_lat, eng_lat = [], []
+    hf_t = hf_tok = 0.0
+    hf_lat = []
+    acc = {v: [0.0, 0, []] for v in engines}      # seconds, tokens, step latencies
     for i, ids in enumerate(prompts):
         t, lat = hf_one(model, ids, max_tokens)
         hf_t, hf_tok = hf_t + t, hf_tok + max_tokens
         hf_lat.append(lat)
-        t, n, steps = engine_run(eng, [ids], max_tokens)
-        eng_t, eng_tok = eng_t + t, eng_tok + n
-        eng_lat += steps
-        log(f"  c=1 prompt {i + 1}/{len(prompts)}: decode tok/s hf {1 / hf_lat[-1]:.0f} "
-            f"vs engine {len(steps) / sum(steps):.0f}")
-    return ({"tokens_per_s": hf_tok / hf_t, "per_token_latency_s": sum(hf_lat) / len(hf_lat)},
-            {"tokens_per_s": eng_tok / eng_t, "per_token_latency_s": sum(eng_lat) / len(eng_lat)},
-            eng.model.weight_bytes)
+        for v, eng in engines.items():
+            t, n, steps = engine_run(eng, [ids], max_tokens)
+            acc[v][0] += t
+            acc[v][1] += n
+            acc[v][2] += steps
+        log(f"  c=1 prompt {i + 1}/{len(prompts)}: decode tok/s hf {1 / hf_lat[-1]:.0f} vs "
+            + ", ".join(f"{v} {len(a[2]) / sum(a[2]):.0f}" for v, a in acc.items()))
+    runs = {"hf_c1": {"tokens_per_s": hf_tok / hf_t,
+                      "per_token_latency_s": sum(hf_lat) / len(hf_lat)}}
+    for v, (t, n, lat) in acc.items():
+        runs[f"{v}_c1"] = {"tokens_per_s": n / t, "per_token_latency_s": sum(lat) / len(lat),
+                           "per_token_latency_p50_s": sorted(lat)[len(lat) // 2]}
+    return runs, {v: e.model.weight_bytes for v, e in engines.items()}
 
 
-def bench_batched(path, dtype: str, prompts, max_tokens: int, concurrency: int) -> dict:
-    eng = make_engine(path, dtype, concurrency)
+def bench_batched(path, dtype: str, prompts, max_tokens: int, concurrency: int,
+                  quantize: str = "") -> dict:
+    eng = make_engine(path, dtype, concurrency, quantize)
     t, n, steps = engine_run(eng, prompts, max_tokens)
     return {"tokens_per_s": n / t, "per_token_latency_s": sum(steps) / max(1, len(steps))}
 
@@ -119,19 +136,35 @@ def plot(results: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(results["runs"])
-    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
     ax[0].bar(names, [results["runs"][n]["tokens_per_s"] for n in names], color="tab:blue")
     ax[0].set_ylabel("output tokens/s")
-    ax[1].bar(names, [results["runs"][n]["per_token_latency_s"] * 1e3 for n in names],
+    c1 = [n for n in names if n.endswith("_c1")]
+    ax[1].bar(c1, [results["runs"][n]["per_token_latency_s"] * 1e3 for n in c1],
               color="tab:orange")
-    ax[1].axhline(results["bandwidth_bound_s"] * 1e3, ls="--", c="k", label="bandwidth bound")
-    ax[1].set_ylabel("per-token latency (ms)")
-    ax[1].legend()
+    for i, (v, b) in enumerate(results["bandwidth_bound_s_by_engine"].items()):
+        ax[1].axhline(b * 1e3, ls="--", c=f"C{i + 2}", label=f"bandwidth bound {v}")
+    ax[1].set_ylabel("c=1 per-token latency (ms)")
+    ax[1].legend(fontsize=8)
     for a in ax:
         a.tick_params(axis="x", rotation=30)
-    fig.suptitle(f"{results['model']} ({results['dtype']})")
+    fig.suptitle(f"{results['model']} ({results['dtype']}, {results['threads']} threads)")
     fig.tight_layout()
     fig.savefig(out)
+
+
+def ratios(runs: dict, bounds: dict) -> dict:
+    base = runs["hf_c1"]["tokens_per_s"]
+    out = {f"{n}_vs_hf_tokens_per_s": r["tokens_per_s"] / base
+           for n, r in runs.items() if n != "hf_c1"}
+    for v, b in bounds.items():
+        lat = runs[f"{v}_c1"]["per_token_latency_s"]
+        out[f"{v}_c1_latency_vs_bandwidth_bound"] = lat / b
+        out[f"{v}_c1_fraction_of_bandwidth_bound"] = b / lat
+        # against the unquantized weights' bound: what quantization buys
+        out[f"{v}_c1_fraction_of_unquantized_bound"] = bounds["engine"] / lat if (
+            "engine" in bounds) else None
+    return out
 
 
 def main() -> None:
@@ -142,6 +175,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--out", default=str(ROOT / "bench_out"))
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    ap.add_argument("--quantize", default=",int8,int4",
+                    help="comma-separated engines at c=1 ('' = unquantized)")
+    ap.add_argument("--batched", default="", help="the same for c=4/16 (default: --quantize)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -149,31 +185,27 @@ def main() -> None:
 
     tok = Tokenizer.from_pretrained(args.model)
     prompts = [tok.encode(p) for p in (CODE_PROMPTS * 2)[:args.prompts]]
-    log(f"model {args.model} dtype {args.dtype} threads {torch.get_num_threads()}")
+    quants = args.quantize.split(",")
+    log(f"model {args.model} dtype {args.dtype} threads {torch.get_num_threads()} "
+        f"engines {[variant(q) for q in quants]}")
     bw = memcpy_bandwidth()
     log(f"memcpy {bw['copy_bytes_per_s'] / 1e9:.1f} GB/s copied")
-    runs = {}
-    log("(a) transformers generate and (b) our engine, one request at a time, interleaved")
-    runs["hf_c1"], runs["engine_c1"], wbytes = bench_c1(args.model, args.dtype, prompts,
-                                                        args.max_tokens)
-    for c in (4, 16):
-        log(f"(c) engine, continuous batching at concurrency {c}")
-        # the same 16 requests each time; only the concurrency changes
-        runs[f"engine_c{c}"] = bench_batched(args.model, args.dtype, (prompts * 16)[:16],
-                                             args.max_tokens, c)
-    bound = wbytes / bw["copy_bytes_per_s"]
-    base = runs["hf_c1"]["tokens_per_s"]
+    log("(a) transformers generate and (b) our engines, one request at a time, interleaved")
+    runs, wbytes = bench_c1(args.model, args.dtype, prompts, args.max_tokens, quants)
+    for q in (args.batched.split(",") if args.batched else quants):
+        for c in (4, 16):
+            log(f"(c) {variant(q)}, continuous batching at concurrency {c}")
+            # the same 16 requests each time; only the concurrency changes
+            runs[f"{variant(q)}_c{c}"] = bench_batched(args.model, args.dtype,
+                                                       (prompts * 16)[:16], args.max_tokens, c, q)
+    bw_after = memcpy_bandwidth()
+    bounds = {v: b / bw["copy_bytes_per_s"] for v, b in wbytes.items()}
     res = {
         "model": Path(args.model).name, "dtype": args.dtype, "threads": torch.get_num_threads(),
         "max_tokens": args.max_tokens, "prompts": len(prompts), "memcpy": bw,
-        "weight_bytes_per_token": wbytes, "bandwidth_bound_s": bound, "runs": runs,
-        "ratios": {
-            "engine_c1_vs_hf_tokens_per_s": runs["engine_c1"]["tokens_per_s"] / base,
-            "engine_c4_vs_hf_tokens_per_s": runs["engine_c4"]["tokens_per_s"] / base,
-            "engine_c16_vs_hf_tokens_per_s": runs["engine_c16"]["tokens_per_s"] / base,
-            "engine_c1_latency_vs_bandwidth_bound":
-                runs["engine_c1"]["per_token_latency_s"] / bound,
-        },
+        "memcpy_after": bw_after, "weight_bytes_per_token": wbytes.get("engine"),
+        "bandwidth_bound_s": bounds.get("engine"), "weight_bytes_by_engine": wbytes,
+        "bandwidth_bound_s_by_engine": bounds, "runs": runs, "ratios": ratios(runs, bounds),
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -2,16 +2,18 @@
 import torch
 
 from kernels.paged_attention.kernel import paged_attention_decode_triton
-from kernels.paged_attention.ref import paged_attention_decode_ref
+from kernels.paged_attention.ref import DecodePlan, paged_attention_decode_ref, plan_decode
 
-__all__ = ["paged_attention_decode", "paged_attention_decode_ref", "paged_attention_decode_triton"]
+__all__ = ["paged_attention_decode", "paged_attention_decode_ref", "paged_attention_decode_triton",
+           "DecodePlan", "plan_decode"]
 
 
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           scale: float, plan: DecodePlan | None = None) -> torch.Tensor:
     # q: [B, Hq, D]; caches: [NB, BS, Hkv, D]; block_tables: [B, max_blocks] int32;
-    # context_lens: [B] int32
+    # context_lens: [B] int32; plan: the CPU path's per-forward gather indices (optional)
     if q.is_cuda:
         return paged_attention_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
-    return paged_attention_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return paged_attention_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                      plan)

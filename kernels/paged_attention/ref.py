@@ -4,38 +4,60 @@ Vectorised over the batch: gather every sequence's blocks up to the longest cont
 mask the padding, softmax in float32. The short loop over kv heads lets each bmm read a
 strided view of the gathered K/V; one 4-D matmul would first copy them heads-first
 (measured ~2x slower on CPU; a loop over sequences lost when contexts were short).
+
+The gather indices and the padding mask depend only on the block tables and context
+lengths, which every layer of a forward shares: `plan_decode` makes them once and each
+layer's call takes the plan.
 """
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(slots=True)
+class DecodePlan:
+    lens: torch.Tensor      # [B] int64
+    tables: torch.Tensor    # [B * nb] int64 block ids (unused entries point at block 0)
+    pad: torch.Tensor       # [B, 1, L] bool: past the context
+    empty: torch.Tensor     # [B] bool: zero-length context
+    L: int                  # nb * block_size (0: every context empty)
+
+
+def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                device=None) -> DecodePlan:
+    device = device or block_tables.device
+    lens = context_lens.to(device=device, dtype=torch.long)
+    B = lens.shape[0]
+    max_len = int(lens.max()) if B else 0
+    nb = -(-max_len // block_size)
+    L = nb * block_size
+    # entries past a sequence's last block may be padding (e.g. -1): point them at block 0
+    tables = block_tables[:, :nb].to(device=device, dtype=torch.long)  # [B, nb]
+    used = torch.arange(nb, device=device) * block_size < lens[:, None]
+    tables = torch.where(used, tables, 0).flatten()
+    pad = (torch.arange(L, device=device) >= lens[:, None])[:, None, :]  # [B, 1, L]
+    return DecodePlan(lens, tables, pad, lens == 0, L)
 
 
 def paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
+                               scale: float, plan: DecodePlan | None = None) -> torch.Tensor:
     # q: [B, Hq, D]; k_cache, v_cache: [NB, BS, Hkv, D]
     # block_tables: [B, max_blocks]; context_lens: [B] -> out: [B, Hq, D]
     B, Hq, D = q.shape
     _, BS, Hkv, _ = k_cache.shape
     G = Hq // Hkv
-    lens = context_lens.to(device=q.device, dtype=torch.long)
-    max_len = int(lens.max()) if B else 0
-    if max_len == 0:
+    p = plan or plan_decode(block_tables, context_lens, BS, q.device)
+    if p.L == 0:
         return q.new_zeros((B, Hq, D))
-    nb = -(-max_len // BS)
-    L = nb * BS
-
-    # entries past a sequence's last block may be padding (e.g. -1): point them at block 0
-    tables = block_tables[:, :nb].to(device=q.device, dtype=torch.long)  # [B, nb]
-    used = torch.arange(nb, device=q.device) * BS < lens[:, None]
-    tables = torch.where(used, tables, 0).flatten()
-    k = k_cache.index_select(0, tables).view(B, L, Hkv, D).float()  # [B, L, Hkv, D]
-    v = v_cache.index_select(0, tables).view(B, L, Hkv, D).float()
+    k = k_cache.index_select(0, p.tables).view(B, p.L, Hkv, D).float()  # [B, L, Hkv, D]
+    v = v_cache.index_select(0, p.tables).view(B, p.L, Hkv, D).float()
 
     qg = q.float().reshape(B, Hkv, G, D)
-    pad = (torch.arange(L, device=q.device) >= lens[:, None])[:, None, :]  # [B, 1, L]
     out = torch.empty((B, Hkv, G, D), dtype=torch.float32, device=q.device)
     for h in range(Hkv):
         scores = torch.bmm(qg[:, h], k[:, :, h].transpose(1, 2)) * scale  # [B, G, L]
-        scores.masked_fill_(pad, float("-inf"))
+        scores.masked_fill_(p.pad, float("-inf"))
         torch.bmm(torch.softmax(scores, dim=-1), v[:, :, h], out=out[:, h])
-    out.masked_fill_((lens == 0)[:, None, None, None], 0.0)  # empty context: NaN -> 0
+    out.masked_fill_(p.empty[:, None, None, None], 0.0)  # empty context: NaN -> 0
     return out.view(B, Hq, D).to(q.dtype)

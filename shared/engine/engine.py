@@ -40,8 +40,8 @@ from .block_pool import BlockPool
 from .config import EngineConfig
 from .layer_load import LayerLoad, LoadFailed
 from .limits import check_request
-from .loader import load_config, load_weights
-from .model import Model, kv_block_bytes, kv_pool
+from .loader import load_config
+from .model import kv_block_bytes, kv_pool, load_model
 from .output import OutputProcessor, RequestOutput
 from .prefix import prefix_salt
 from .prefix_cache import PrefixCache
@@ -69,7 +69,7 @@ class LLMEngine:
             from .tokenizer import Tokenizer
             tokenizer = Tokenizer.from_pretrained(cfg.model)
         self.tokenizer = tokenizer
-        self.model = Model(mc, load_weights(cfg.model, mc, cfg.torch_dtype), cfg.torch_dtype)
+        self.model = load_model(cfg.model, mc, cfg)
         dc = self._draft_config()
         models = [c for c in (mc, dc) if c is not None]
         self.max_model_len = min([cfg.max_model_len or mc.max_position]
@@ -113,7 +113,7 @@ class LLMEngine:
 
         cfg = self.cfg
         self.draft_kv = kv_pool(dc, num_blocks, cfg.block_size, cfg.torch_dtype)
-        draft = Model(dc, load_weights(cfg.draft_model, dc, cfg.torch_dtype), cfg.torch_dtype)
+        draft = load_model(cfg.draft_model, dc, cfg)
         self.spec = SpecRunner(self, draft)
         self.scheduler.lookahead = self.spec.lookahead
 

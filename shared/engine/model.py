@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels.kv_cache import write_kv
-from kernels.paged_attention import paged_attention_decode
+from kernels.kv_cache import plan_slots, write_kv
+from kernels.paged_attention import paged_attention_decode, plan_decode
 
-from .loader import ModelConfig
+from .loader import ModelConfig, load_weights
+from .quant import quantize_weight, weight_nbytes
 from .rope import rope_cos_sin
 
 
@@ -32,6 +33,7 @@ class SeqSpan:
     n: int
     context_len: int
     ctx_slots: torch.Tensor  # [context_len] int64 flat slots of positions 0..context_len-1
+    request_id: str = ""     # whose rows (layer listeners stream a request's KV by it)
 
 
 @dataclass(slots=True)
@@ -54,30 +56,47 @@ class Layer:
 
 
 class Model:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 quantize: str = ""):
+        """weights on the device the model runs on; quantize: '' | 'int8' | 'int4'
+        (weight-only, quant.py) for the linear layers and the LM head."""
         self.cfg = cfg
         self.dtype = dtype
+        self.quantize = quantize
         self.scale = cfg.head_dim ** -0.5
         self.embed = weights["model.embed_tokens.weight"]
+        self.device = self.embed.device
         self.norm = weights["model.norm.weight"]
-        self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
+        head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
+        self.lm_head = quantize_weight(head, quantize, head=True)
+        # called as layer_listener(layer, meta) in the forward's thread once the layer's KV
+        # is in the pool: prefill streams it to decode while later layers compute
+        self.layer_listener = None
         self.layers: list[Layer] = []
         for i in range(cfg.num_layers):
-            p = f"model.layers.{i}."
-            w = lambda n: weights[p + n]  # noqa: E731
-            L = Layer()
-            L.ln1, L.ln2 = w("input_layernorm.weight"), w("post_attention_layernorm.weight")
-            # fused projections: one GEMM for q|k|v and one for gate|up
-            L.qkv_w = torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
-                                 w("self_attn.v_proj.weight")]).contiguous()
-            L.qkv_b = (torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"),
-                                  w("self_attn.v_proj.bias")]) if cfg.attention_bias else None)
-            L.o_w = w("self_attn.o_proj.weight")
-            L.gate_up_w = torch.cat([w("mlp.gate_proj.weight"),
-                                     w("mlp.up_proj.weight")]).contiguous()
-            L.down_w = w("mlp.down_proj.weight")
-            self.layers.append(L)
-        self.cos, self.sin = rope_cos_sin(cfg, dtype)  # [max_position, D]
+            self.layers.append(self._layer(cfg, weights, f"model.layers.{i}.", quantize))
+        cos, sin = rope_cos_sin(cfg, dtype)  # [max_position, D]
+        half = cfg.head_dim // 2
+        # rope(x) = x * cos + rot(x) * sin with rot(x) = [-x2, x1]: the sign folded into sin
+        self.cos = cos.to(self.device)
+        self.sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(self.device)
+
+    @staticmethod
+    def _layer(cfg: ModelConfig, weights: dict, p: str, quantize: str) -> Layer:
+        w = lambda n: weights[p + n]  # noqa: E731
+        q = lambda t: quantize_weight(t, quantize)  # noqa: E731
+        L = Layer()
+        L.ln1, L.ln2 = w("input_layernorm.weight"), w("post_attention_layernorm.weight")
+        # fused projections: one GEMM for q|k|v and one for gate|up
+        L.qkv_w = q(torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
+                               w("self_attn.v_proj.weight")]).contiguous())
+        L.qkv_b = (torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"),
+                              w("self_attn.v_proj.bias")]) if cfg.attention_bias else None)
+        L.o_w = q(w("self_attn.o_proj.weight"))
+        L.gate_up_w = q(torch.cat([w("mlp.gate_proj.weight"),
+                                   w("mlp.up_proj.weight")]).contiguous())
+        L.down_w = q(w("mlp.down_proj.weight"))
+        return L
 
     @property
     def weight_bytes(self) -> int:
@@ -85,18 +104,18 @@ class Model:
         LM head (an untied embedding table is only indexed, one row per token)."""
         tensors = [self.norm, self.lm_head] + [
             getattr(L, a) for L in self.layers for a in Layer.__slots__]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return sum(weight_nbytes(t) for t in tensors)
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # float32 math, then back to the model dtype (as transformers does)
         xf = F.rms_norm(x.float(), (x.shape[-1],), eps=self.cfg.rms_norm_eps)
         return w * xf.to(x.dtype)
 
-    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, heads, D]; cos/sin: [T, 1, D]
-        half = x.shape[-1] // 2
-        rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rot * sin
+    @staticmethod
+    def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [T, heads, D]; cos/sin: [T, 1, D], sin with rot's sign folded in (__init__):
+        # the same products as x * cos + cat([-x2, x1]) * sin, one op fewer
+        return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: BatchMeta, kv: torch.Tensor) -> torch.Tensor:
@@ -108,18 +127,21 @@ class Model:
         h = F.embedding(input_ids, self.embed)                       # [T, H]
         cos = self.cos[meta.positions].unsqueeze(1)                 # [T, 1, D]
         sin = self.sin[meta.positions].unsqueeze(1)
+        slots = plan_slots(meta.slot_mapping)      # shared by every layer's KV write
+        plan = self._decode_plan(meta, kv)
         for li, L in enumerate(self.layers):
             x = self.rms_norm(h, L.ln1)
             qkv = linear(x, L.qkv_w, L.qkv_b)                        # [T, (Hq+2Hkv)*D]
-            q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
-            q = self.rope(q.view(T, Hq, D), cos, sin)
-            k = self.rope(k.view(T, Hkv, D), cos, sin)
-            v = v.view(T, Hkv, D)
+            qk = self.rope(qkv[:, :(Hq + Hkv) * D].view(T, Hq + Hkv, D), cos, sin)
+            q, k = qk[:, :Hq], qk[:, Hq:]
+            v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
             k_cache, v_cache = kv[li, 0], kv[li, 1]
-            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            write_kv(k, v, k_cache, v_cache, slots)
+            if self.layer_listener is not None:
+                self.layer_listener(li, meta)
             for ld in meta.loads:   # readiness guard: layer li of a prefix load has landed
                 ld.wait(li, meta.load_timeout_s)
-            o = self.attention(q, k_cache, v_cache, meta)            # [T, Hq, D]
+            o = self.attention(q, k_cache, v_cache, meta, plan)      # [T, Hq, D]
             h = h + linear(o.reshape(T, Hq * D), L.o_w)
             x = self.rms_norm(h, L.ln2)
             gate, up = linear(x, L.gate_up_w).chunk(2, dim=-1)
@@ -130,31 +152,52 @@ class Model:
             rows = torch.cat([rows, rows.new_zeros(meta.pad_logits_to - S, rows.shape[1])])
         return linear(self.rms_norm(rows, self.norm), self.lm_head)[:S].float()
 
-    def attention(self, q, k_cache, v_cache, meta: BatchMeta) -> torch.Tensor:
-        out = torch.zeros_like(q)
-        nd = meta.num_decode
+    @staticmethod
+    def _decode_plan(meta: BatchMeta, kv: torch.Tensor):
+        if not meta.num_decode or kv.is_cuda:
+            return None
+        return plan_decode(meta.block_tables, meta.context_lens, kv.shape[3])
+
+    def attention(self, q, k_cache, v_cache, meta: BatchMeta, plan=None) -> torch.Tensor:
+        nd, T = meta.num_decode, q.shape[0]
         if nd:
-            out[:nd] = paged_attention_decode(q[:nd], k_cache, v_cache, meta.block_tables,
-                                              meta.context_lens, self.scale)
-        if not meta.spans:
-            return out
+            od = paged_attention_decode(q[:nd], k_cache, v_cache, meta.block_tables,
+                                        meta.context_lens, self.scale, plan)
+            if nd == T:
+                return od
         Hkv, D = self.cfg.num_kv_heads, self.cfg.head_dim
         kf, vf = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)
+        if len(meta.spans) == 1 and not nd and meta.spans[0].n == T:  # one span, every row
+            return self._span(q, kf, vf, meta.spans[0])
+        out = torch.zeros_like(q)
+        if nd:
+            out[:nd] = od
         for s in meta.spans:
-            qs = q[s.start:s.start + s.n].transpose(0, 1).unsqueeze(0)     # [1, Hq, n, D]
-            ks = kf[s.ctx_slots].transpose(0, 1).unsqueeze(0)              # [1, Hkv, ctx, D]
-            vs = vf[s.ctx_slots].transpose(0, 1).unsqueeze(0)
-            if s.n == 1:
-                mask, causal = None, False
-            elif s.n == s.context_len:
-                mask, causal = None, True
-            else:  # a later chunk: row i sees positions <= ctx - n + i
-                qpos = torch.arange(s.context_len - s.n, s.context_len).unsqueeze(1)
-                mask, causal = torch.arange(s.context_len).unsqueeze(0) <= qpos, False
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal,
-                                               scale=self.scale, enable_gqa=True)
-            out[s.start:s.start + s.n] = o[0].transpose(0, 1)
+            out[s.start:s.start + s.n] = self._span(q, kf, vf, s)
         return out
+
+    def _span(self, q, kf, vf, s: SeqSpan) -> torch.Tensor:
+        """Rows of one sequence attended over exactly its context: [n, Hq, D]."""
+        qs = q[s.start:s.start + s.n].transpose(0, 1).unsqueeze(0)         # [1, Hq, n, D]
+        ks = kf.index_select(0, s.ctx_slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
+        vs = vf.index_select(0, s.ctx_slots).transpose(0, 1).unsqueeze(0)
+        if s.n == 1:
+            mask, causal = None, False
+        elif s.n == s.context_len:
+            mask, causal = None, True
+        else:  # a later chunk: row i sees positions <= ctx - n + i
+            dev = q.device
+            qpos = torch.arange(s.context_len - s.n, s.context_len, device=dev).unsqueeze(1)
+            mask = torch.arange(s.context_len, device=dev).unsqueeze(0) <= qpos
+            causal = False
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal,
+                                           scale=self.scale, enable_gqa=True)
+        return o[0].transpose(0, 1)
+
+
+def load_model(path, mc: ModelConfig, cfg) -> Model:
+    """The checkpoint at path as the engine settings (EngineConfig) say: dtype, quantize."""
+    return Model(mc, load_weights(path, mc, cfg.torch_dtype), cfg.torch_dtype, cfg.quantize)
 
 
 def kv_pool(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -169,11 +212,15 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int
             * torch.tensor([], dtype=dtype).element_size())
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T (+ b). A single row goes through mv: on CPU it streams the weight ~1.7x
-    faster than the GEMM path (measured with bf16 weights, one thread). Deterministic
-    mode never has a single-row forward (it pads to a fixed M), so batch invariance holds."""
-    if x.shape[0] == 1:
+def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T (+ b); w a tensor or a quantized weight (quant.py: w.mm). A single row of a
+    plain CPU weight goes through mv: on CPU it streams the weight ~1.7x faster than the
+    GEMM path (measured with bf16 weights, one thread). Deterministic mode never has a
+    single-row forward (it pads to a fixed M), so batch invariance holds."""
+    if not isinstance(w, torch.Tensor):
+        y = w.mm(x)
+    elif x.shape[0] == 1 and not x.is_cuda:
         y = torch.mv(w, x[0]).unsqueeze(0)
-        return y if b is None else y + b
-    return F.linear(x, w, b)
+    else:
+        return F.linear(x, w, b)
+    return y if b is None else y + b

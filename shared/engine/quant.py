@@ -1,0 +1,124 @@
+"""Weight-only quantization of the linear layers, in the style of gpt-fast.
+
+  int8   per output channel, symmetric: w ~= q * scale, q in [-127, 127]; the matmul is
+         torch's `_weight_int8pack_mm` (activations stay in the model dtype).
+  int4   groups of `group_size` input channels (32, as the GGUF's Q4_1), asymmetric:
+         w ~= (q - 8) * scale + zero, q in [0, 15]; torch's `_weight_int4pack_mm_for_cpu`
+         on CPU (`_weight_int4pack_mm` on CUDA). Q4_1 stores w = q * d + m per group of 32,
+         which is this grid with scale = d, zero = m + 8d: re-quantizing the converted
+         SmolLM2 weights recovers llama.cpp's own weights (up to bf16 rounding). The LM
+         head stays int8 in this mode, as the GGUF keeps token_embd in Q8_0.
+
+A quantized weight is an object with `mm(x) -> x @ w.T` (`linear` in model.py calls it),
+`nbytes` (what one decode step reads) and `dequantize()` (tests, accuracy checks).
+Embedding lookups keep the unquantized table (one row per token is read).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+MODES = ("", "int8", "int4")
+INT4_GROUP = 32
+
+
+class Int8Weight:
+    __slots__ = ("q", "scale")
+
+    def __init__(self, w: torch.Tensor):
+        wf = w.float()
+        scale = wf.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+        self.q = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+        self.scale = scale.to(w.dtype)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scale.numel() * self.scale.element_size()
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # no fused kernel relied on: dequantize on the fly (unverified path)
+            return F.linear(x, self.q.to(x.dtype)) * self.scale
+        return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+
+    def dequantize(self) -> torch.Tensor:
+        return (self.q.float() * self.scale.float()[:, None]).to(self.scale.dtype)
+
+
+class Int4Weight:
+    __slots__ = ("packed", "scales_zeros", "group", "out_features", "in_features", "_dq")
+
+    def __init__(self, w: torch.Tensor, group: int = INT4_GROUP, inner_k_tiles: int = 1):
+        n, k = w.shape
+        if k % group:
+            raise ValueError(f"int4: in_features {k} is not a multiple of the group {group}")
+        g = w.float().reshape(n, k // group, group)
+        lo, hi = g.amin(dim=-1, keepdim=True), g.amax(dim=-1, keepdim=True)
+        scale = (hi - lo).clamp(min=1e-8) / 15.0
+        q = torch.round((g - lo) / scale).clamp_(0, 15).to(torch.int32).reshape(n, k)
+        zero = lo + 8.0 * scale                                   # (q - 8) * scale + zero
+        sz = torch.cat([scale, zero], dim=-1)                     # [n, k/g, 2]
+        self.scales_zeros = sz.transpose(0, 1).contiguous().to(w.dtype)   # [k/g, n, 2]
+        self.group, self.out_features, self.in_features = group, n, k
+        self._dq = None
+        if w.is_cuda:   # the CUDA packing (unverified); dequantized fallback if missing
+            try:
+                qu8 = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+                self.packed = torch.ops.aten._convert_weight_to_int4pack(qu8, 8)
+            except (RuntimeError, AttributeError):
+                self.packed, self._dq = None, self._dequant(q, w.dtype)
+        else:
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, inner_k_tiles)
+
+    def _dequant(self, q: torch.Tensor, dtype) -> torch.Tensor:
+        sz = self.scales_zeros.float().transpose(0, 1)            # [n, k/g, 2]
+        g = q.float().reshape(self.out_features, -1, self.group)
+        w = (g - 8.0) * sz[..., :1] + sz[..., 1:]
+        return w.reshape(self.out_features, self.in_features).to(dtype)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.out_features, self.in_features))
+
+    @property
+    def nbytes(self) -> int:
+        if self._dq is not None:
+            return self._dq.numel() * self._dq.element_size()
+        return (self.out_features * self.in_features) // 2 + (
+            self.scales_zeros.numel() * self.scales_zeros.element_size())
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self._dq is not None:
+            return F.linear(x, self._dq)
+        if x.is_cuda:
+            return torch.ops.aten._weight_int4pack_mm(x, self.packed, self.group,
+                                                      self.scales_zeros)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group,
+                                                          self.scales_zeros)
+
+    def dequantize(self) -> torch.Tensor:
+        eye = torch.eye(self.in_features, dtype=self.scales_zeros.dtype,
+                        device=self.scales_zeros.device)
+        return self.mm(eye).T.contiguous()
+
+
+def quantize_weight(w: torch.Tensor, mode: str, head: bool = False):
+    """The weight in `mode` ('' keeps it). The LM head (head=True) is int8 under int4."""
+    if mode == "":
+        return w
+    if mode == "int8" or head:
+        return Int8Weight(w)
+    if mode == "int4":
+        return Int4Weight(w) if w.shape[1] % INT4_GROUP == 0 else Int8Weight(w)
+    raise ValueError(f"quantize must be one of {MODES}, got {mode!r}")
+
+
+def weight_nbytes(w) -> int:
+    if w is None:
+        return 0
+    if isinstance(w, torch.Tensor):
+        return w.numel() * w.element_size()
+    return w.nbytes
