@@ -54,8 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="batch-invariant decoding")
     up.add_argument("--mode", choices=("auto", "pd", "colocated"), default=None,
                     help="decode placement")
-    up.add_argument("--threads", type=parse_threads, default=None,
-                    help="torch threads per engine instance, or auto: the host's cores divided")
+    up.add_argument("--threads", type=parse_threads, default=None, help="per engine: N | auto")
     up.add_argument("--no-kvstore", action="store_true", help="do not start kvstore")
     up.add_argument("--extra-env", action="append", default=[], metavar="K=V",
                     help="environment for every service (repeatable)")
