@@ -41,6 +41,7 @@ from shared.engine_loop import run_engine_loop
 from shared.faults import require_allowed
 from shared.jobqueue import ensure_stream
 from shared.kv.nats_transport import NatsKvTransport
+from shared.kv.shm import host_id
 from shared.kv.writeback import WriteBack
 from shared.kvstore_client import KvstoreClient
 from shared.precompile import precompile
@@ -157,7 +158,7 @@ class DecodeService:
                          blocks_quarantined=st["blocks_quarantined"],
                          accepting=self.accepting, max_model_len=self.engine.max_model_len,
                          capacity=self.engine.cfg.max_num_seqs, ready=self.ready(),
-                         ts=time.time())
+                         host=host_id(), ts=time.time())
 
     def write_back(self, rid: str) -> None:
         """A prompt computed here goes to kvstore too: its prefix then hits on either path

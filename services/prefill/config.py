@@ -36,6 +36,14 @@ class PrefillConfig:
         "help": "wait this long for decode to grant a job's blocks, else drop the job"})
     kv_max_write_bytes: int = field(default=0, metadata={
         "help": "largest KV write payload (0: the NATS server's max_payload)"})
+    kv_shm: bool = field(default=True, metadata={
+        "help": "KV to a decode instance on the same host through shared memory (NATS carries "
+                "only the handle, checksum and epochs); off: every byte over NATS"})
+    kv_shm_mb: int = field(default=256, metadata={
+        "help": "the shared-memory segment for same-host KV writes (/dev/shm)"})
+    kv_stream: bool = field(default=True, metadata={
+        "help": "layer-wise KV streaming: each layer's KV of each chunk goes to decode as soon "
+                "as it is computed (off: the whole prompt's KV after the compute)"})
     kvstore: bool = field(default=True, metadata={
         "help": "use kvstore (L2 host memory, L3 disk): prefix loads and write-back"})
     write_policy: str = field(default="write_through", metadata={

@@ -47,6 +47,9 @@ class DelayedSender:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
+    def open(self, *args, **kw) -> None:
+        """No layer-wise streaming: the first write waits for send()."""
+
     async def send(self, *args, **kw):
         await asyncio.sleep(self.delay_s)
         return await self.inner.send(*args, **kw)

@@ -7,6 +7,12 @@ transport (shared/kv/transport.py: NATS by default); decode's ack is the credit.
 max_payload) whatever the sender's speed. Writes are sized to the transport's max_payload
 (or less).
 
+Layer-wise streaming (stream.py, on unless `stream=False`): open() before the prompt
+computes, and each layer's KV of each chunk goes out as soon as the forward has written it,
+while the later layers compute; send() after the compute writes what is left (the last
+layers, and prompt blocks prefill did not compute: its own prefix-cache hits). Without
+open(), send() writes every block after the compute, as before.
+
 Before each write the ledger is asked whether the attempt may still write: after a
 Reclaim (or a failed write) no new write starts, and send() returns only when every
 write it started has completed, so the count it leaves in the ledger is final.
@@ -22,6 +28,7 @@ from shared.kv.transport import KvTransport
 from shared.service import ServiceError
 
 from .ledger import Phase, WriteLedger
+from .stream import LayerStream
 
 
 class Reclaimed(Exception):
@@ -30,7 +37,7 @@ class Reclaimed(Exception):
 
 class KvSender:
     def __init__(self, transport: KvTransport, sender_id: str, window: int,
-                 ledger: WriteLedger, max_write_bytes: int = 0):
+                 ledger: WriteLedger, max_write_bytes: int = 0, stream: bool = True):
         """max_write_bytes: 0 = the transport's max_payload. The ack timeout is the
         transport's; a slow wire for tests is shared.kv.faults.SlowKvTransport."""
         self.transport = transport
@@ -38,69 +45,116 @@ class KvSender:
         self.window = window
         self.ledger = ledger
         self.limit = max_write_bytes
+        self.stream_enabled = stream
         self.max_write_bytes = 0        # the largest payload sent so far (for STATS)
         self.changed = asyncio.Condition()   # a write of some attempt completed
+        self.streams: dict[str, LayerStream] = {}    # engine request id -> its stream
+        self.counters = {"kv_writes_streamed": 0, "kv_bytes_streamed": 0}
 
+    def stats(self) -> dict:
+        return self.counters | getattr(self.transport, "counters", {})
+
+    @property
+    def max_bytes(self) -> int:
+        m = self.transport.max_payload
+        return min(m, self.limit) if self.limit else m
+
+    # ---- layer-wise streaming ---------------------------------------------------------
+    def open(self, job: PrefillJob, engine, local_id: str, attempt: str) -> None:
+        """Stream the attempt's KV while engine request `local_id` computes (call before
+        it is added to the engine)."""
+        if not self.stream_enabled:
+            return
+        engine.model.layer_listener = self._on_layer
+        st = LayerStream(self, job, engine, local_id, attempt, asyncio.get_running_loop())
+        self.streams[local_id] = st
+        st.task = asyncio.ensure_future(st.pump())
+        st.task.add_done_callback(lambda _: self.streams.pop(local_id, None))
+
+    def _on_layer(self, layer: int, meta) -> None:
+        """The engine thread: a layer of this forward is in the pool."""
+        for s in meta.spans:
+            st = self.streams.get(s.request_id)
+            if st is not None:
+                st.computed(layer, s.context_len - s.n, s.context_len)
+
+    # ---- sending ------------------------------------------------------------------------
     async def send(self, job: PrefillJob, engine, local_id: str, attempt: str) -> tuple[int, int]:
-        """Write every prompt block; returns (writes issued, bytes). Raises Reclaimed if a
-        Reclaim stopped the attempt, RuntimeError if a write failed or was refused;
-        in every case only once no write of the attempt is in flight."""
+        """Write every prompt block not written yet; returns (writes issued, bytes). Raises
+        Reclaimed if a Reclaim stopped the attempt, RuntimeError if a write failed or was
+        refused; in every case only once no write of the attempt is in flight."""
+        st = self.streams.get(local_id)
+        if st is not None:
+            errors, total = await st.finish()
+        else:
+            errors, total = await self._send_all(job, engine, local_id, attempt)
+        e = self.ledger.get(attempt)
+        if e.phase is Phase.CANCELLED:
+            raise Reclaimed(f"{job.request_id}: reclaimed after {e.issued} writes")
+        if errors:
+            raise RuntimeError("; ".join(errors[:3]))
+        return e.issued, total
+
+    async def _send_all(self, job, engine, local_id, attempt) -> tuple[list[str], int]:
+        src = self.source_blocks(job, engine, local_id)
+        credits = asyncio.Semaphore(self.window)
+        errors: list[str] = []
+        sizes: list[int] = []
+
+        async def one(p: wire.Piece) -> None:
+            async with credits:
+                n = await self.write(job, engine, attempt, src, p, errors)
+                sizes.append(n)
+
+        await asyncio.gather(*(one(p) for p in wire.plan(len(src), engine.kv, self.max_bytes)))
+        return errors, sum(sizes)
+
+    @staticmethod
+    def source_blocks(job: PrefillJob, engine, local_id: str) -> list[int]:
         skip = job.dest.skip_blocks
         src = engine.kept_blocks(local_id)[skip:skip + len(job.dest.block_ids)]
         if len(src) != len(job.dest.block_ids):
             raise RuntimeError(f"prefill holds {len(src)} blocks, "
                                f"job wants {len(job.dest.block_ids)}")
-        max_bytes = self.transport.max_payload
-        if self.limit:
-            max_bytes = min(max_bytes, self.limit)
-        pieces = wire.plan(len(src), engine.kv, max_bytes)
-        dest = job.dest.instance_id
-        credits = asyncio.Semaphore(self.window)
-        dtype = wire.dtype_name(engine.kv.dtype)
+        return src
+
+    async def write(self, job: PrefillJob, engine, attempt: str, src: list[int],
+                    p: wire.Piece, errors: list[str]) -> int:
+        """One write: blocks p.b0..p.b1 of the job's destination (src: this pool's blocks
+        for them), layers p.l0..p.l1. Returns the bytes sent (0: not sent)."""
         ledger = self.ledger
-        total = 0
-        errors: list[str] = []
-
-        async def write(p) -> None:
-            nonlocal total
-            async with credits:
-                if not ledger.may_issue(attempt):
-                    return
-                payload, shape = wire.pack(engine.kv, src[p.b0:p.b1], p.l0, p.l1)
-                meta = KvWrite(request_id=job.request_id, epochs=job.dest.epochs[p.b0:p.b1],
-                               block_ids=job.dest.block_ids[p.b0:p.b1], layer_start=p.l0,
-                               layer_end=p.l1, dtype=dtype, shape=shape,
-                               checksum=wire.checksum(payload), seq=p.index, sender=self.sender_id,
-                               attempt=attempt)
-                ledger.issue(attempt)
-                answered = False
-                try:
-                    ack = await self.transport.send(dest, meta, payload)
-                    answered = True
-                    total += len(payload)
-                    self.max_write_bytes = max(self.max_write_bytes, len(payload))
-                    if not ack.applied:
-                        errors.append(f"decode discarded KV write {p.index} (fenced)")
-                        ledger.stop(attempt)
-                except ServiceError as e:    # an answer: decode refused the write
-                    answered = True
-                    errors.append(f"decode refused KV write {p.index}: {e}")
-                    ledger.stop(attempt)
-                except Exception as e:  # noqa: BLE001 - timeout, connection: may still land
-                    errors.append(f"KV write {p.index}: {e!r}")
-                    ledger.stop(attempt)
-                finally:
-                    ledger.complete(attempt, answered)
-                    async with self.changed:
-                        self.changed.notify_all()
-
-        await asyncio.gather(*(write(p) for p in pieces))
-        e = ledger.get(attempt)
-        if e.phase is Phase.CANCELLED:
-            raise Reclaimed(f"{job.request_id}: reclaimed after {e.issued} of {len(pieces)} writes")
-        if errors:
-            raise RuntimeError("; ".join(errors[:3]))
-        return e.issued, total
+        if not ledger.may_issue(attempt):
+            return 0
+        dest = job.dest.instance_id
+        alloc = getattr(self.transport, "alloc", None)     # a same-host shared-memory region
+        buf = alloc(dest, wire.piece_bytes(engine.kv, p.b1 - p.b0, p.l0, p.l1)) if alloc else None
+        payload, shape = wire.pack(engine.kv, src[p.b0:p.b1], p.l0, p.l1, out=buf)
+        ledger.issue(attempt)         # counted before the first await: a Reclaim waits for it
+        answered, sent = False, 0
+        try:
+            meta = KvWrite(request_id=job.request_id, epochs=job.dest.epochs[p.b0:p.b1],
+                           block_ids=job.dest.block_ids[p.b0:p.b1], layer_start=p.l0,
+                           layer_end=p.l1, dtype=wire.dtype_name(engine.kv.dtype), shape=shape,
+                           checksum=await wire.checksum_async(payload), seq=p.index,
+                           sender=self.sender_id, attempt=attempt)
+            ack = await self.transport.send(dest, meta, payload)
+            answered, sent = True, len(payload)
+            self.max_write_bytes = max(self.max_write_bytes, sent)
+            if not ack.applied:
+                errors.append(f"decode discarded KV write {p.index} (fenced)")
+                ledger.stop(attempt)
+        except ServiceError as e:    # an answer: decode refused the write
+            answered = True
+            errors.append(f"decode refused KV write {p.index}: {e}")
+            ledger.stop(attempt)
+        except Exception as e:  # noqa: BLE001 - timeout, connection: may still land
+            errors.append(f"KV write {p.index}: {e!r}")
+            ledger.stop(attempt)
+        finally:
+            ledger.complete(attempt, answered)
+            async with self.changed:
+                self.changed.notify_all()
+        return sent
 
     async def wait_idle(self, attempt: str) -> None:
         """Until no write of the attempt is in flight."""

@@ -38,13 +38,15 @@ from shared.engine_loop import run_engine_loop
 from shared.faults import require_allowed
 from shared.jobqueue import pull_subscription
 from shared.kv.nats_transport import NatsKvTransport
+from shared.kv.shm import host_id
+from shared.kv.shm_transport import ShmKvTransport
 from shared.kv.writeback import WriteBack
 from shared.precompile import precompile
 from shared.service import ServiceRuntime, new_instance_id
 
 from . import inject, layersplit
 from .config import PrefillConfig
-from .ledger import WriteLedger
+from .ledger import Phase, WriteLedger
 from .peers import NatsPrefillPeers, PrefillPeers
 from .reclaims import ReclaimResponder
 from .sender import KvSender, Reclaimed
@@ -89,7 +91,7 @@ class PrefillService:
         self.write_back = WriteBack(self.cfg.write_policy if use else "none", kvc)
         self.sender = inject.sender(KvSender(inject.transport(kv_transport, f), self.iid,
                                              self.cfg.kv_window, self.ledger,
-                                             self.cfg.kv_max_write_bytes), f)
+                                             self.cfg.kv_max_write_bytes, self.cfg.kv_stream), f)
         self.reclaims = ReclaimResponder(self.iid, self.ledger, self.sender, self.rt.spawn)
 
     async def start(self) -> None:
@@ -97,7 +99,10 @@ class PrefillService:
         nc = self.rt.nc
         self.psub = await pull_subscription(nc.jetstream(), self.cfg.ack_wait_s,
                                             self.cfg.max_deliver, self.cfg.max_jobs)
-        self.connect(NatsPrefillPeers(nc), NatsKvTransport(self.rt, self.cfg.kv_ack_timeout_s),
+        kv = await ShmKvTransport.create(NatsKvTransport(self.rt, self.cfg.kv_ack_timeout_s),
+                                         size_bytes=self.cfg.kv_shm_mb << 20,
+                                         enabled=self.cfg.kv_shm)
+        self.connect(NatsPrefillPeers(nc), kv,
                      inject.kvstore_client(nc, self.cfg.kvstore_timeout_s, self.cfg.faults))
         await self.rt.endpoint("reclaim", subjects.prefill_reclaim(self.iid),
                                self.reclaims.on_reclaim, None, raw=True)
@@ -129,13 +134,14 @@ class PrefillService:
         return Heartbeat(service="prefill", instance_id=self.iid, model=self.cfg.model,
                          tokenizer_fingerprint=self.fingerprint, running=self.active,
                          waiting=st["waiting"], blocks_free=st["blocks_free"],
-                         blocks_used=st["blocks_used"], ts=time.time())
+                         blocks_used=st["blocks_used"], host=host_id(), ts=time.time())
 
     def stats(self) -> dict:
         kvc = self.kvc.counters if self.kvc is not None else {}
         answered = self.reclaims.answered if self.reclaims is not None else 0
         return (self.engine.stats() | {"jobs_active": self.active, "kv_window": self.cfg.kv_window}
                 | self.counters | {"reclaims_answered": answered} | self.ledger.stats() | kvc
+                | getattr(getattr(self, "sender", None), "stats", dict)()
                 | {"last_load": self.engine.last_load}
                 | (self.group.stats() if self.group is not None else {}))
 
@@ -205,11 +211,12 @@ class PrefillService:
         local_id = f"{job.request_id}/{attempt[:8]}"
         t0 = time.monotonic()
         try:
+            self.sender.open(job, self.engine, local_id, attempt)   # layer-wise KV streaming
             with tracing.span("compute", prompt_tokens=len(job.prompt_ids)):
                 out, tier = await self.compute(local_id, job)
             compute_s = time.monotonic() - t0
-            if not self.ledger.may_issue(attempt):
-                raise Reclaimed(f"{job.request_id}: reclaimed before its first write")
+            if self.ledger.get(attempt).phase is Phase.CANCELLED:
+                raise Reclaimed(f"{job.request_id}: reclaimed before its last write")
             t1 = time.monotonic()
             with tracing.span("kv_transfer", decode=job.dest.instance_id):
                 writes, nbytes = await self.sender.send(job, self.engine, local_id, attempt)

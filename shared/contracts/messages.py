@@ -179,6 +179,8 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     ready: bool = True                # decode: every path it is set up for is usable now
     #                                   (require_prefill: a prefill worker heartbeats)
     max_model_len: int = 0
+    host: str = ""                    # what shares /dev/shm with it (shared/kv/shm.host_id):
+    #                                   a prefill on the same host writes KV through memory
     ts: float = 0.0
 
 

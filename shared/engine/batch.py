@@ -83,7 +83,7 @@ def _add(rows: _Rows, s: Scheduled, cfg: EngineConfig, chunk: bool) -> None:
         if cfg.deterministic and s.drafts:   # each row exactly as its own decode step computes it
             rows.spans += [SeqSpan(row + j, 1, i + 1, ctx_slots[:i + 1]) for j, i in enumerate(p)]
         else:
-            rows.spans.append(SeqSpan(row, s.rows, ctx, ctx_slots))
+            rows.spans.append(SeqSpan(row, s.rows, ctx, ctx_slots, seq.request_id))
     if s.samples:
         end = row + s.rows
         rows.logits += range(end - 1 - len(s.drafts), end)

@@ -27,6 +27,10 @@ class SlowKvTransport:
     def max_payload(self) -> int:
         return self.inner.max_payload
 
+    def alloc(self, dest: str, nbytes: int):
+        alloc = getattr(self.inner, "alloc", None)
+        return alloc(dest, nbytes) if alloc is not None else None
+
     async def send(self, dest: str, meta: KvWrite, payload: Buffer) -> KvWriteAck:
         await asyncio.sleep(self.rng.uniform(0.0, self.max_delay_s))
         return await self.inner.send(dest, meta, payload)

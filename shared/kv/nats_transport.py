@@ -5,6 +5,8 @@ NATS headers (KvWrite.headers()), decode's KvWriteAck (or a micro error) as the 
     ack = await tx.send(decode_instance, meta, payload)             # prefill
     await tx.listen(decode_instance, on_write)                      # decode
 
+A write from the same host (shm_transport.py) carries a shared-memory handle in the
+SHM_HEADER header instead of a payload: the listener reads the bytes in place.
 The receiver registers a raw micro endpoint on subjects.decode_kv(instance_id) through the
 runtime, so bad headers and a checksum mismatch become BAD_MESSAGE replies (ContractError)
 and a ServiceError raised by on_write reaches the sender as that ServiceError.
@@ -16,10 +18,13 @@ from shared.contracts.common import Codec, ContractError, encode
 from shared.contracts.kv import KvWrite, KvWriteAck
 from shared.service import ServiceRuntime, decode_reply
 
+from .shm import Segments, ShmUnavailable
 from .transport import OnWrite
-from .wire import HEADER_ROOM, Buffer, checksum
+from .wire import HEADER_ROOM, Buffer, checksum_async
 
 ACK = Codec(KvWriteAck)
+SHM_HEADER = "Pdmesh-Shm"             # a same-host write: "segment:offset:length", no payload
+SHM_REFUSED = "kv-shm-unavailable"    # decode cannot read that segment (shm_transport.py)
 
 
 class NatsKvTransport:
@@ -28,6 +33,7 @@ class NatsKvTransport:
         self.rt = rt
         self.timeout_s = timeout_s
         self.closed = False
+        self.segments: Segments | None = None     # same-host writers' segments (shm.py)
 
     @property
     def max_payload(self) -> int:
@@ -44,13 +50,23 @@ class NatsKvTransport:
     async def listen(self, instance_id: str, on_write: OnWrite) -> None:
         async def handler(req) -> bytes:
             meta = KvWrite.from_headers(req.headers)
-            data = req.data
-            if checksum(data) != meta.checksum:
+            handle = req.headers.get(SHM_HEADER) if req.headers else None
+            data = req.data if handle is None else self._shm_region(handle)
+            if await checksum_async(data) != meta.checksum:
                 raise ContractError(f"KV write {meta.request_id}#{meta.seq}: checksum mismatch")
             return encode(await on_write(meta, memoryview(data)))
 
         await self.rt.endpoint("kv", subjects.decode_kv(instance_id), handler, None, raw=True)
         await self.rt.nc.flush()        # the server knows the subscription: writes reach it
+
+    def _shm_region(self, handle: str) -> memoryview:
+        """A same-host write's bytes, read in place from the writer's segment."""
+        if self.segments is None:
+            self.segments = Segments()
+        try:
+            return self.segments.region(handle)
+        except ShmUnavailable as e:
+            raise ContractError(f"{SHM_REFUSED}: {e}") from e
 
     async def close(self) -> None:
         """Stop sending; the endpoints (and the connection) belong to the runtime and end

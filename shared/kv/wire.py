@@ -47,6 +47,18 @@ def checksum(data: Buffer) -> int:
     return zlib.crc32(data)
 
 
+OFFLOAD_BYTES = 256 << 10   # a checksum over more bytes than this runs off the event loop
+
+
+async def checksum_async(data: Buffer) -> int:
+    """checksum() without holding the event loop for a large payload: zlib.crc32 drops
+    the GIL, so a worker thread runs it while the loop serves other writes."""
+    if len(data) < OFFLOAD_BYTES:
+        return zlib.crc32(data)
+    import asyncio
+    return await asyncio.get_running_loop().run_in_executor(None, zlib.crc32, data)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
     if name not in DTYPE_NAMES:
@@ -104,13 +116,27 @@ def plan(num_blocks: int, kv: torch.Tensor, max_bytes: int) -> list[Piece]:
     return pieces
 
 
-def pack(kv: torch.Tensor, blocks: list[int], l0: int, l1: int) -> tuple[memoryview, list[int]]:
+def piece_bytes(kv: torch.Tensor, num_blocks: int, l0: int, l1: int) -> int:
+    """Bytes of a write of num_blocks blocks x layers [l0, l1)."""
+    return layer_bytes(kv) * num_blocks * (l1 - l0)
+
+
+def pack(kv: torch.Tensor, blocks: list[int], l0: int, l1: int,
+         out: memoryview | None = None) -> tuple[memoryview, list[int]]:
     """kv: [L, 2, NB, BS, Hkv, D] -> (bytes of [l1-l0, 2, n, BS, Hkv, D], shape), gathered
-    in one copy into one contiguous buffer (plus the copy to host for a device pool)."""
+    in one copy into one contiguous buffer (plus the copy to host for a device pool). out:
+    a writable buffer of exactly piece_bytes() to gather into (a shared-memory region)."""
     import torch
     ids = torch.tensor(blocks, dtype=torch.long, device=kv.device)
-    t = kv[l0:l1].index_select(2, ids).cpu()
-    return _flat(t), list(t.shape)
+    shape = [l1 - l0, 2, len(blocks), *kv.shape[3:]]
+    if out is None:
+        return _flat(kv[l0:l1].index_select(2, ids).cpu()), shape
+    dst = torch.frombuffer(out, dtype=torch.uint8).view(kv.dtype).view(*shape)
+    if kv.is_cuda:
+        dst.copy_(kv[l0:l1].index_select(2, ids))
+    else:
+        torch.index_select(kv[l0:l1], 2, ids, out=dst)
+    return out, shape
 
 
 def unpack_into(kv: torch.Tensor, blocks: list[int], l0: int, l1: int, payload: Buffer,

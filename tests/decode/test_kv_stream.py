@@ -1,0 +1,163 @@
+"""Layer-wise KV streaming (services/prefill/stream.py) in one process: the KV of each
+layer of each chunk leaves while later layers compute, decode's output equals the engine
+alone, the write ledger counts every write exactly, and blocks prefill did not compute
+(its own prefix-cache hits) still reach decode."""
+from __future__ import annotations
+
+import pytest
+
+from services.prefill.stream import LayerStream
+
+from .local_mesh import DET, LocalMesh
+from .test_handlers import MAX_TOKENS, prompt
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_target):
+    from shared.contracts.sampling import SamplingParams
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import LLMEngine
+
+    eng = LLMEngine(EngineConfig(model=str(tiny_target), num_blocks=64, **DET))
+    sp = SamplingParams(temperature=0.0, seed=1, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return lambda p: eng.generate([p], sp)[0]["token_ids"]
+
+
+class Watch:
+    """A KV transport that records, per write, its layers and whether the prompt was
+    still computing when it was sent."""
+
+    def __init__(self, inner, prefill):
+        self.inner, self.prefill = inner, prefill
+        self.sent: list[tuple[int, int, bool]] = []
+
+    @property
+    def max_payload(self) -> int:
+        return self.inner.max_payload
+
+    async def send(self, dest, meta, payload):
+        self.sent.append((meta.layer_start, meta.layer_end, bool(self.prefill.pending)))
+        return await self.inner.send(dest, meta, payload)
+
+    async def listen(self, instance_id, on_write):
+        await self.inner.listen(instance_id, on_write)
+
+    async def close(self):
+        await self.inner.close()
+
+
+def watched(mesh: LocalMesh) -> Watch:
+    w = Watch(mesh.kv, mesh.prefill)
+    mesh.prefill.sender.transport = w
+    return w
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+async def test_streamed_kv_gives_the_same_output(tiny_target, tiny_prompts, reference, stream):
+    mesh = LocalMesh(tiny_target, prefill={"kv_stream": stream})
+    w = watched(mesh)
+    await mesh.start()
+    try:
+        p = prompt(tiny_prompts, 3, n=120)            # four 32-token chunks
+        await mesh.submit("a", p, max_tokens=MAX_TOKENS, ignore_eos=True)
+        task, msg = mesh.run_job()
+        await task
+        assert msg.acked and await mesh.tokens("a") == reference(p)
+        pre = mesh.prefill.stats()
+        e = next(iter(mesh.prefill.ledger.entries.values()))
+        assert e.issued == e.completed == pre["kv_writes"] == len(w.sent)
+        during = [s for s in w.sent if s[2]]
+        if stream:   # writes left while the prompt computed, single layers among them
+            assert during and pre["kv_writes_streamed"] > 0
+            assert any(l1 - l0 == 1 for l0, l1, _ in during)
+        else:
+            assert not during and pre["kv_writes_streamed"] == 0
+        assert mesh.decode.stats()["blocks_used"] == 0
+    finally:
+        await mesh.close()
+
+
+async def test_blocks_prefill_did_not_compute_still_reach_decode(tiny_target, tiny_prompts,
+                                                                 reference):
+    """The second job hits prefill's own L1 for the whole-block prefix (decode, without a
+    prefix cache, wants every block): those blocks go after the compute."""
+    mesh = LocalMesh(tiny_target, decode={"prefix_cache": False})
+    await mesh.start()
+    try:
+        p = prompt(tiny_prompts, 4, n=100)
+        for rid in ("a", "b"):
+            await mesh.submit(rid, p, max_tokens=MAX_TOKENS, ignore_eos=True)
+            task, _ = mesh.run_job()
+            await task
+            assert await mesh.tokens(rid) == reference(p)
+        assert mesh.prefill.engine.stats()["prefix_hit_tokens"] > 0
+    finally:
+        await mesh.close()
+
+
+class _Sender:
+    def __init__(self, max_bytes):
+        self.max_bytes, self.window, self.ledger = max_bytes, 4, None
+
+
+class _Engine:
+    def __init__(self, kv):
+        self.kv = kv
+        self.cfg = type("C", (), {"block_size": kv.shape[3]})()
+
+
+class _Dest:
+    def __init__(self, n, skip):
+        self.block_ids, self.skip_blocks, self.epochs = list(range(n)), skip, [0] * n
+
+
+class _Job:
+    def __init__(self, n_tokens, n_blocks, skip=0):
+        self.prompt_ids, self.dest = [0] * n_tokens, _Dest(n_blocks, skip)
+
+
+def test_ready_layers_coalesce_into_rectangles():
+    import torch
+    kv = torch.zeros(4, 2, 8, 16, 1, 8)               # 4 layers, 16-token blocks
+    lb = 2 * 16 * 8 * 4
+    st = LayerStream(_Sender(1 << 20), _Job(64, 4), _Engine(kv), "r", "a", loop=_Loop())
+    st.computed(0, 0, 32)                             # chunk 1 (blocks 0, 1), layer 0
+    p = st.next_piece()
+    assert (p.b0, p.b1, p.l0, p.l1) == (0, 2, 0, 1)
+    assert st.next_piece() is None
+    for layer in (1, 2, 3):
+        st.computed(layer, 0, 32)
+    st.computed(0, 32, 64)                            # chunk 2, layer 0
+    p = st.next_piece()                               # layers 1..3 of chunk 1 together
+    assert (p.b0, p.b1, p.l0, p.l1) == (0, 2, 1, 4)
+    p = st.next_piece()
+    assert (p.b0, p.b1, p.l0, p.l1) == (2, 4, 0, 1)
+    # a small max payload splits by layers, then by blocks
+    st = LayerStream(_Sender(lb), _Job(64, 4), _Engine(kv), "r", "a", loop=_Loop())
+    for layer in range(4):
+        st.computed(layer, 0, 64)
+    got = []
+    while (p := st.next_piece()) is not None:
+        got.append((p.b0, p.b1, p.l0, p.l1))
+    assert got[0] == (0, 1, 0, 1) and len(got) == 16
+
+
+def test_partial_blocks_wait_for_the_chunk_that_completes_them():
+    import torch
+    kv = torch.zeros(2, 2, 8, 16, 1, 8)
+    st = LayerStream(_Sender(1 << 20), _Job(40, 3), _Engine(kv), "r", "a", loop=_Loop())
+    st.computed(0, 0, 24)                             # block 1 only half computed
+    p = st.next_piece()
+    assert (p.b0, p.b1) == (0, 1)
+    st.computed(1, 0, 24)
+    st.computed(0, 24, 40)                            # the last chunk: the partial last block
+    p = st.next_piece()
+    assert (p.b0, p.b1, p.l0, p.l1) == (0, 1, 1, 2)
+    p = st.next_piece()
+    assert (p.b0, p.b1, p.l0, p.l1) == (1, 3, 0, 1)
+
+
+class _Loop:
+    def call_soon_threadsafe(self, fn, *args):
+        fn(*args)
+
