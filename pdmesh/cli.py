@@ -176,9 +176,9 @@ def _print_ready(cluster) -> None:
           f"-d {shlex.quote(body)}\n\n"
           f"  {_tls_env(cluster)}pdmesh status --nats-url {shlex.quote(cluster.nats_url)}\n"
           f"{_debug_hint(cluster)}"
+          f"  {_auth_hint(cluster.url)}\n"
           "Ctrl-C stops everything.\n", flush=True)
 
-          f"  {_auth_hint(cluster.url)}\n"
 
 def _tls_env(cluster) -> str:
     s = cluster.secrets
@@ -196,8 +196,6 @@ def _debug_hint(cluster) -> str:
             f"{tls} sub 'pdmesh.>'   # read-only debug user\n")
 
 
-def _served_model(url: str) -> str | None:
-    import urllib.request
 def _auth_hint(url: str) -> str:
     """Whether the gateway wants an API key, found by asking it without one."""
     import urllib.error
@@ -215,6 +213,8 @@ def _auth_hint(url: str) -> str:
             "(--set gateway.api_key_file=FILE, or PDMESH_API_KEY, turns them on)")
 
 
+def _served_model(url: str) -> str | None:
+    import urllib.request
 
     try:
         with urllib.request.urlopen(url + "/v1/models", timeout=2) as r:
