@@ -322,3 +322,13 @@ async def test_errors_carry_no_paths_or_reprs(keyed):
     r = await keyed.post(CHAT, data=b"{not json", headers=bearer(KEYS[0]))
     e = await openai_error(r, 400)
     assert "Traceback" not in e["message"] and "/work" not in e["message"]
+
+
+def test_cache_aware_routing_is_per_tenant():
+    """The gateway's routing hint never says where another tenant's prompt went."""
+    from services.gateway.affinity import PrefixAffinity
+    aff = PrefixAffinity(granularity=16)
+    prompt = list(range(100, 300))
+    aff.record(prompt, "decode_a", "salt-a")
+    assert aff.best(prompt, "salt-a") == {"decode_a": 192}
+    assert aff.best(prompt, "salt-b") == {} and aff.best(prompt) == {}
