@@ -1,6 +1,7 @@
 """Speculative decoding benchmark: decode tokens/s with and without the draft, side by side.
 
-  engines      the target alone, and target + draft at each k (--k 2 4)
+  engines      the target alone, and target + draft at each k (--k 2 4: at most k drafts,
+               chosen per step by shared/engine/spec/adapt.py; --fixed 4: always k)
   prompts      code (tests/conftest.py CODE_PROMPTS) and chat (synthetic multi-turn Q&A,
                rendered with the chat template): the draft agrees with the target on ~64%
                of code tokens and ~90% of chat tokens
@@ -55,11 +56,12 @@ def chat_prompts(tok, n: int, seed: int = 7) -> list[list[int]]:
     return out
 
 
-def make_engine(args, k: int) -> LLMEngine:
+def make_engine(args, k: int, adaptive: bool = True) -> LLMEngine:
     eng = LLMEngine(EngineConfig(
         model=args.model, dtype=args.dtype, num_blocks=2048, block_size=16, max_num_seqs=8,
         max_num_batched_tokens=512, chunk_size=512, threads=1,
-        draft_model=args.draft if k else None, num_speculative_tokens=k))
+        draft_model=args.draft if k else None, num_speculative_tokens=k,
+        spec_adaptive=adaptive))
     eng.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
     return eng
 
@@ -154,6 +156,8 @@ def main() -> None:
     ap.add_argument("--draft", default=str(ROOT / "models" / "tiny-draft"))
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--k", type=int, nargs="+", default=[2, 4], help="num_speculative_tokens")
+    ap.add_argument("--fixed", type=int, nargs="*", default=[4],
+                    help="also these k without adaptation (spec_adaptive off): the old engine")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=8, help="per kind at concurrency 1")
     ap.add_argument("--rounds", type=int, default=3, help="of 8 requests at concurrency 8")
@@ -165,6 +169,7 @@ def main() -> None:
     sets = {"code": [tok.encode(p) for p in CODE_PROMPTS[:args.prompts]],
             "chat": chat_prompts(tok, args.prompts)}
     engines = {"plain": make_engine(args, 0)} | {f"k={k}": make_engine(args, k) for k in args.k}
+    engines |= {f"k={k} fixed": make_engine(args, k, adaptive=False) for k in args.fixed}
     log(f"{Path(args.model).name} + {Path(args.draft).name}, {args.dtype}, threads "
         f"{torch.get_num_threads()}, engines {list(engines)}, {args.max_tokens} tokens")
     runs = {}

@@ -45,7 +45,10 @@ class EngineConfig:
     draft_model: str = field(default="", metadata=_h(
         "speculative decoding: the draft model's HF folder ('': none)"))
     num_speculative_tokens: int = field(default=4, metadata=_h(
-        "draft tokens verified per decode step (0: no speculation)"))
+        "draft tokens verified per decode step at most (0: no speculation)"))
+    spec_adaptive: bool = field(default=True, metadata=_h(
+        "choose each step's drafts (0..num_speculative_tokens) from the measured forward "
+        "costs and accept rates (never in deterministic mode)"))
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

@@ -12,6 +12,7 @@ whatever else is in the batch.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -72,6 +73,7 @@ class Model:
         # called as layer_listener(layer, meta) in the forward's thread once the layer's KV
         # is in the pool: prefill streams it to decode while later layers compute
         self.layer_listener = None
+        self.forward_listener = None      # forward_listener(rows, seconds) after each forward
         self.layers: list[Layer] = []
         for i in range(cfg.num_layers):
             self.layers.append(self._layer(cfg, weights, f"model.layers.{i}.", quantize))
@@ -121,6 +123,7 @@ class Model:
     def forward(self, input_ids: torch.Tensor, meta: BatchMeta, kv: torch.Tensor) -> torch.Tensor:
         """input_ids: [T]; kv: [layers, 2, blocks, block_size, Hkv, D]. Returns logits
         [S, V] (float32) for meta.logits_rows."""
+        t0 = time.perf_counter()
         cfg = self.cfg
         T = input_ids.shape[0]
         Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -150,7 +153,10 @@ class Model:
         S = rows.shape[0]
         if meta.pad_logits_to > S:  # fixed lm_head shape: batch-invariant logits
             rows = torch.cat([rows, rows.new_zeros(meta.pad_logits_to - S, rows.shape[1])])
-        return linear(self.rms_norm(rows, self.norm), self.lm_head)[:S].float()
+        logits = linear(self.rms_norm(rows, self.norm), self.lm_head)[:S].float()
+        if self.forward_listener is not None:
+            self.forward_listener(T, time.perf_counter() - t0)
+        return logits
 
     @staticmethod
     def _decode_plan(meta: BatchMeta, kv: torch.Tensor):

@@ -57,6 +57,7 @@ from ..output import OutputProcessor, RequestOutput
 from ..sampling import fit_banned
 from ..scheduler import Scheduled
 from ..sequence import Sequence
+from .adapt import AdaptiveK
 from .verify import DRAFT_SALT, VerifyInput, processed_probs, spec_generator, verify
 
 # (sequence, first position, token ids) fed to one draft forward
@@ -81,11 +82,12 @@ class SpecRunner:
         self.catch_up = self.cfg.chunk_size * ratio
         if self.cfg.deterministic:     # one padded forward
             self.catch_up = min(self.catch_up, self.cfg.max_num_batched_tokens)
+        self.adapt = AdaptiveK.attach(self)   # k per step (adapt.py); None: fixed
 
     def lookahead(self, seq: Sequence) -> int:
         """Drafts a decode step of seq may verify: all k + 1 tokens it can emit must fit
         max_tokens and the context window."""
-        return max(0, min(self.cfg.num_speculative_tokens,
+        return max(0, min(self.adapt.k_for(seq) if self.adapt else self.cfg.num_speculative_tokens,
                           seq.params.max_tokens - len(seq.output_ids) - 1,
                           self.engine.max_model_len - seq.num_tokens - 1))
 
@@ -217,6 +219,8 @@ class SpecRunner:
         for name, v in (("spec_steps", 1), ("spec_proposed", k), ("spec_accepted", a)):
             setattr(seq, name, getattr(seq, name) + v)
             eng.counters[name] += v
+        if self.adapt is not None:
+            self.adapt.on_verified(k, a)
         outs = []
         for o in res.outputs:
             if req.constraint is not None:
