@@ -207,6 +207,8 @@ class DecodeService:
         if slots is not None:
             await self._dispatch(sub, slots)
         r = self.table.get(rid)
+        if r is None:         # aborted while its job was being queued: it is gone already
+            raise ServiceError(ErrorCode.ABORTED, "aborted while being admitted", rid)
         self.counters[r.path.value] += 1
         self.wake.set()
         return encode(SubmitAck(request_id=rid, path=r.path))
