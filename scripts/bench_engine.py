@@ -35,11 +35,19 @@ def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+DEVICE = "cpu"          # --device: where the engines (and transformers) run
+
+
+def _sync() -> None:
+    if DEVICE != "cpu":
+        torch.cuda.synchronize()
+
+
 def memcpy_bandwidth(nbytes: int = 512 << 20, reps: int = 5) -> dict:
-    src = torch.ones(nbytes // 4)
+    src = torch.ones(nbytes // 4, device=DEVICE)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    best = min(_timed(lambda: dst.copy_(src)) for _ in range(reps))
+    best = min(_timed(lambda: (dst.copy_(src), _sync())) for _ in range(reps))
     return {"copy_bytes_per_s": nbytes / best, "traffic_bytes_per_s": 2 * nbytes / best}
 
 
@@ -52,13 +60,13 @@ def _timed(fn) -> float:
 def load_hf(path: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(DEVICE).eval()
 
 
 def hf_one(model, ids: list[int], max_tokens: int) -> tuple[float, float]:
     """(seconds for max_tokens tokens, per-token decode latency) with HF generate."""
     gen = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
-    x = torch.tensor([ids])
+    x = torch.tensor([ids], device=DEVICE)
     with torch.inference_mode():
         t1 = _timed(lambda: model.generate(x, max_new_tokens=1, **gen))
         tn = _timed(lambda: model.generate(x, max_new_tokens=max_tokens, **gen))
@@ -68,7 +76,7 @@ def hf_one(model, ids: list[int], max_tokens: int) -> tuple[float, float]:
 def make_engine(path, dtype: str, concurrency: int, quantize: str = "") -> LLMEngine:
     eng = LLMEngine(EngineConfig(model=path, dtype=dtype, num_blocks=2048, block_size=16,
                                  max_num_seqs=concurrency, max_num_batched_tokens=512,
-                                 chunk_size=512, quantize=quantize))
+                                 chunk_size=512, quantize=quantize, device=DEVICE))
     eng.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
     return eng
 
@@ -178,7 +186,10 @@ def main() -> None:
     ap.add_argument("--quantize", default=",int8,int4",
                     help="comma-separated engines at c=1 ('' = unquantized)")
     ap.add_argument("--batched", default="", help="the same for c=4/16 (default: --quantize)")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda")
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
     if args.threads:
         torch.set_num_threads(args.threads)
     from shared.engine.tokenizer import Tokenizer
@@ -192,7 +203,7 @@ def main() -> None:
     log(f"memcpy {bw['copy_bytes_per_s'] / 1e9:.1f} GB/s copied")
     log("(a) transformers generate and (b) our engines, one request at a time, interleaved")
     runs, wbytes = bench_c1(args.model, args.dtype, prompts, args.max_tokens, quants)
-    for q in (args.batched.split(",") if args.batched else quants):
+    for q in dict.fromkeys(args.batched.split(",") if args.batched else quants):
         for c in (4, 16):
             log(f"(c) {variant(q)}, continuous batching at concurrency {c}")
             # the same 16 requests each time; only the concurrency changes
@@ -202,6 +213,7 @@ def main() -> None:
     bounds = {v: b / bw["copy_bytes_per_s"] for v, b in wbytes.items()}
     res = {
         "model": Path(args.model).name, "dtype": args.dtype, "threads": torch.get_num_threads(),
+        "device": args.device,
         "max_tokens": args.max_tokens, "prompts": len(prompts), "memcpy": bw,
         "memcpy_after": bw_after, "weight_bytes_per_token": wbytes.get("engine"),
         "bandwidth_bound_s": bounds.get("engine"), "weight_bytes_by_engine": wbytes,
@@ -209,7 +221,7 @@ def main() -> None:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"engine_{res['model']}_{args.dtype}"
+    stem = f"engine_{res['model']}_{args.dtype}" + ("" if args.device == "cpu" else "_cuda")
     (out / f"{stem}.json").write_text(json.dumps(res, indent=2))
     plot(res, out / f"{stem}.png")
     log(json.dumps(res["ratios"], indent=2))

@@ -33,6 +33,8 @@ class EngineConfig:
     max_model_len: int = field(default=0, metadata=_h(
         "context window (0: the model's max_position_embeddings)"))
     threads: int = field(default=0, metadata=_h("torch intra-op threads (0: torch default)"))
+    device: str = field(default="cpu", metadata=_h(
+        "cpu | cuda | cuda:N: where the weights, the KV pool and the forward live"))
     quantize: str = field(default="", metadata=_h(
         "weight-only quantization of the linear layers: '' (none) | int8 | int4"))
     prefix_cache: bool = field(default=True, metadata=_h(
@@ -53,6 +55,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.quantize not in ("", "int8", "int4"):
             raise ValueError(f"quantize must be '', 'int8' or 'int4', got {self.quantize!r}")
         if self.block_size < 1 or self.max_num_seqs < 1:

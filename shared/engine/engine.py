@@ -77,7 +77,7 @@ class LLMEngine:
         # a block id names target KV and (when speculating) the draft's, in two pools
         block_bytes = sum(kv_block_bytes(c, cfg.block_size, cfg.torch_dtype) for c in models)
         num_blocks = cfg.num_blocks or max(1, cfg.kv_cache_bytes // block_bytes)
-        self.kv = kv_pool(mc, num_blocks, cfg.block_size, cfg.torch_dtype)
+        self.kv = kv_pool(mc, num_blocks, cfg.block_size, cfg.torch_dtype, cfg.device)
         self.pool = BlockPool(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(cfg, self.pool)
         self.draft_kv = self.spec = None
@@ -112,7 +112,7 @@ class LLMEngine:
         from .spec.runner import SpecRunner
 
         cfg = self.cfg
-        self.draft_kv = kv_pool(dc, num_blocks, cfg.block_size, cfg.torch_dtype)
+        self.draft_kv = kv_pool(dc, num_blocks, cfg.block_size, cfg.torch_dtype, cfg.device)
         draft = load_model(cfg.draft_model, dc, cfg)
         self.spec = SpecRunner(self, draft)
         self.scheduler.lookahead = self.spec.lookahead

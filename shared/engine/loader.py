@@ -139,7 +139,8 @@ def _weight_files(path: Path) -> list[Path]:
     raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
 
 
-def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
+                 device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     path = Path(path)
     want = expected_shapes(cfg)
     got: dict[str, torch.Tensor] = {}
@@ -147,7 +148,7 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype) -> dict
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
                 if name in want:
-                    got[name] = st.get_tensor(name).to(dtype)
+                    got[name] = st.get_tensor(name).to(device=device, dtype=dtype)
     if cfg.tie_word_embeddings:
         got.pop("lm_head.weight", None)
     missing = sorted(set(want) - set(got))

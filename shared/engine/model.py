@@ -12,6 +12,7 @@ whatever else is in the batch.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -122,8 +123,11 @@ class Model:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: BatchMeta, kv: torch.Tensor) -> torch.Tensor:
         """input_ids: [T]; kv: [layers, 2, blocks, block_size, Hkv, D]. Returns logits
-        [S, V] (float32) for meta.logits_rows."""
+        [S, V] (float32, on the host: sampling is seeded per position there) for
+        meta.logits_rows. A batch built on the host moves to the model's device first."""
         t0 = time.perf_counter()
+        if self.device.type != "cpu":
+            input_ids, meta = to_device(input_ids, meta, self.device)
         cfg = self.cfg
         T = input_ids.shape[0]
         Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -153,7 +157,7 @@ class Model:
         S = rows.shape[0]
         if meta.pad_logits_to > S:  # fixed lm_head shape: batch-invariant logits
             rows = torch.cat([rows, rows.new_zeros(meta.pad_logits_to - S, rows.shape[1])])
-        logits = linear(self.rms_norm(rows, self.norm), self.lm_head)[:S].float()
+        logits = linear(self.rms_norm(rows, self.norm), self.lm_head)[:S].float().cpu()
         if self.forward_listener is not None:
             self.forward_listener(T, time.perf_counter() - t0)
         return logits
@@ -202,14 +206,31 @@ class Model:
 
 
 def load_model(path, mc: ModelConfig, cfg) -> Model:
-    """The checkpoint at path as the engine settings (EngineConfig) say: dtype, quantize."""
-    return Model(mc, load_weights(path, mc, cfg.torch_dtype), cfg.torch_dtype, cfg.quantize)
+    """The checkpoint at path as the engine settings (EngineConfig) say: dtype, quantize,
+    device."""
+    device = getattr(cfg, "device", "cpu")
+    return Model(mc, load_weights(path, mc, cfg.torch_dtype, device), cfg.torch_dtype,
+                 cfg.quantize)
 
 
-def kv_pool(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+def kv_pool(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+            device: str | torch.device = "cpu") -> torch.Tensor:
     """A paged KV pool: [layers, 2, blocks, block_size, Hkv, D] zeros."""
     return torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads,
-                       cfg.head_dim, dtype=dtype)
+                       cfg.head_dim, dtype=dtype, device=device)
+
+
+def to_device(input_ids: torch.Tensor, meta: BatchMeta, device: torch.device):
+    """A batch built on the host (batch.py, spec/runner.py) moved to the model's device."""
+    mv = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+    spans = [SeqSpan(s.start, s.n, s.context_len, mv(s.ctx_slots), s.request_id)
+             for s in meta.spans]
+    meta = dataclasses.replace(meta, positions=mv(meta.positions),
+                               slot_mapping=mv(meta.slot_mapping),
+                               block_tables=mv(meta.block_tables),
+                               context_lens=mv(meta.context_lens), spans=spans,
+                               logits_rows=mv(meta.logits_rows))
+    return mv(input_ids), meta
 
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -123,7 +123,7 @@ class PrefixCache:
             if load.cancelled:
                 return False
             ids = torch.tensor(load.blocks[b0:b0 + data.shape[1]], dtype=torch.long)
-            self.kv[layer, :, ids] = data
+            self.kv[layer, :, ids] = data.to(self.kv.device)
             return True
 
     def recompute_failed_loads(self, batch: list[Scheduled]) -> None:
