@@ -20,7 +20,9 @@ def test_streamed_shared_memory_kv_gives_the_engines_output(tiny_target, tiny_pr
     prompts = [(tiny_prompts[i] * 12)[:150 + 13 * i] for i in range(6)]   # 5..7 chunks
     want = [eng.generate([p], SamplingParams(temperature=0.0, max_tokens=6,
                                              ignore_eos=True))[0]["token_ids"] for p in prompts]
-    with Cluster(str(tiny_target), prefill=1, decode=1, **DET, overrides=det_overrides(),
+    ov = det_overrides()
+    ov["prefill"] |= {"kv_stream": True}        # experimental, off by default
+    with Cluster(str(tiny_target), prefill=1, decode=1, **DET, overrides=ov,
                  echo=False) as c:
         async def run():
             await asyncio.sleep(2.0)      # a decode heartbeat tells prefill decode's host
