@@ -259,7 +259,8 @@ async def metrics(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     t = gw.registry.totals(time.monotonic())
     kv = await kvstore_stats(gw.runtime.nc)
-    text = gw.metrics.render({
+    group = await prefill_group_gauges(gw.runtime.nc)
+    text = gw.metrics.render(group | {
         "pdmesh_routed_prefix_warm_total": ("Requests routed to the decode instance that "
                                             "last served their prefix.", gw.client.routed_warm),
         **{f"pdmesh_kvstore_{k}": (KVSTORE_GAUGES[k], kv[k]) for k in KVSTORE_GAUGES if k in kv},
@@ -293,6 +294,28 @@ KVSTORE_GAUGES = {
     "blocks_rejected": "Write-back blocks whose checksum failed on arrival (not indexed).",
     "prefix_hit_rate": "Leading prefix keys found / looked up.",
 }
+
+
+GROUP_GAUGES = {   # LayerSplit, per prefill rank (labelled by instance)
+    "group_cached_blocks": "LayerSplit: prefix blocks this prefill rank holds (its layers).",
+    "group_cached_bytes": "LayerSplit: bytes of cached prefix KV this rank holds.",
+    "group_sent_bytes": "LayerSplit: layer KV this rank sent to other ranks, bytes.",
+    "group_recv_bytes": "LayerSplit: layer KV this rank received from other ranks, bytes.",
+    "group_wait_s": "LayerSplit: seconds compute waited for a remote layer.",
+    "group_transfer_s": "LayerSplit: seconds remote layers were in transfer.",
+    "group_hidden_share": "LayerSplit: share of transfer time hidden behind compute.",
+}
+
+
+async def prefill_group_gauges(nc) -> dict:
+    """LayerSplit gauges per prefill rank (none without a prefill group)."""
+    try:
+        found = await micro.stats(nc, "prefill", wait_s=0.3)
+    except Exception:  # noqa: BLE001 - no answer: no group gauges
+        return {}
+    ranks = [i for i in found if i.stats.get("group_size", 0) > 1]
+    return {f"pdmesh_prefill_{k}": (h, {i.instance_id: float(i.stats.get(k, 0)) for i in ranks})
+            for k, h in GROUP_GAUGES.items() if ranks}
 
 
 async def kvstore_stats(nc) -> dict:

@@ -64,7 +64,12 @@ class _Scrape:
     def collect(self) -> Iterable[Metric]:
         yield from self.registry.collect()
         for name, (help_, value) in self.gauges.items():
-            if name.endswith("_total"):
+            if isinstance(value, dict):       # {instance: value}: one sample per instance
+                g = GaugeMetricFamily(name, help_, labels=["instance"])
+                for inst, v in sorted(value.items()):
+                    g.add_metric([inst], v)
+                yield g
+            elif name.endswith("_total"):
                 yield CounterMetricFamily(name, help_, value=value)
             else:
                 yield GaugeMetricFamily(name, help_, value=value)

@@ -82,9 +82,14 @@ def test_group_equals_engine_alone_and_colocated(group_mesh, prompts, reference)
             warm = [await _complete(http, group_mesh.url, p) for p in prompts]
             colocated = [await _complete(http, group_mesh.url, p, "colocated")
                          for p in prompts[:3]]
-        return cold, warm, colocated, await group_stats(group_mesh)
+            async with http.get(group_mesh.url + "/metrics") as r:
+                metrics = await r.text()
+        return cold, warm, colocated, await group_stats(group_mesh), metrics
 
-    cold, warm, colocated, stats = asyncio.run(run())
+    cold, warm, colocated, stats, metrics = asyncio.run(run())
+    per_rank = [line for line in metrics.splitlines()
+                if line.startswith("pdmesh_prefill_group_cached_blocks{")]
+    assert len(per_rank) == 2 and all(float(x.rsplit(" ", 1)[1]) > 0 for x in per_rank)
     assert [t for t, _ in cold] == reference            # cold, then partially cached
     assert [t for t, _ in warm] == reference            # fully cached (to the last chunk)
     assert [t for t, _ in colocated] == reference[:3]
