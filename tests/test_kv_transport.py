@@ -32,7 +32,7 @@ def write(kv, blocks, dest_blocks, seq=0, corrupt=False):
     payload, shape = wire.pack(kv, blocks, 0, L)
     meta = KvWrite(request_id="r1", epochs=[1] * len(blocks), block_ids=dest_blocks,
                    layer_start=0, layer_end=L, dtype="float32", shape=shape,
-                   checksum=wire.checksum(payload) ^ corrupt, seq=seq, sender="p0", attempt="a1")
+                   checksum=wire.write_checksum(payload) ^ corrupt, seq=seq, sender="p0", attempt="a1")
     return meta, payload
 
 

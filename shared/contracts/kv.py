@@ -20,7 +20,7 @@ class KvWrite(msgspec.Struct, frozen=True, kw_only=True):
     layer_end: int
     dtype: str
     shape: list[int]
-    checksum: int          # crc32 of the payload (shared.kv.wire.checksum)
+    checksum: int          # of the payload: shared.kv.wire.write_checksum
     seq: int               # index of this write within the job
     sender: str
     attempt: str = ""      # the prefill attempt (PrefillClaim.attempt) that issued it

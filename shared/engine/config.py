@@ -48,6 +48,9 @@ class EngineConfig:
         "speculative decoding: the draft model's HF folder ('': none)"))
     num_speculative_tokens: int = field(default=4, metadata=_h(
         "draft tokens verified per decode step at most (0: no speculation)"))
+    draft_quantize: str = field(default="int8", metadata=_h(
+        "the draft's weights: int8 | int4 | none | '' (as quantize); drafts only propose, the "
+        "target verifies, so this changes speed and accept rates, never what is accepted"))
     spec_adaptive: bool = field(default=True, metadata=_h(
         "choose each step's drafts (0..num_speculative_tokens) from the measured forward "
         "costs and accept rates (never in deterministic mode)"))
@@ -59,6 +62,9 @@ class EngineConfig:
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.quantize not in ("", "int8", "int4"):
             raise ValueError(f"quantize must be '', 'int8' or 'int4', got {self.quantize!r}")
+        if self.draft_quantize not in ("", "none", "int8", "int4"):
+            raise ValueError(f"draft_quantize must be '', none, int8 or int4, "
+                             f"got {self.draft_quantize!r}")
         if self.block_size < 1 or self.max_num_seqs < 1:
             raise ValueError("block_size and max_num_seqs must be >= 1")
         if self.chunk_size < 1 or self.max_num_batched_tokens < self.chunk_size:
@@ -76,6 +82,12 @@ class EngineConfig:
     @property
     def speculative(self) -> bool:
         return bool(self.draft_model) and self.num_speculative_tokens > 0
+
+    @property
+    def draft_quant(self) -> str:
+        """The draft's quantization ('' = none)."""
+        q = self.quantize if self.draft_quantize == "" else self.draft_quantize
+        return "" if q == "none" else q
 
     @property
     def torch_dtype(self) -> torch.dtype:

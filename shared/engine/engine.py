@@ -113,7 +113,7 @@ class LLMEngine:
 
         cfg = self.cfg
         self.draft_kv = kv_pool(dc, num_blocks, cfg.block_size, cfg.torch_dtype, cfg.device)
-        draft = load_model(cfg.draft_model, dc, cfg)
+        draft = load_model(cfg.draft_model, dc, cfg, cfg.draft_quant)
         self.spec = SpecRunner(self, draft)
         self.scheduler.lookahead = self.spec.lookahead
 

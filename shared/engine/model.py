@@ -205,12 +205,12 @@ class Model:
         return o[0].transpose(0, 1)
 
 
-def load_model(path, mc: ModelConfig, cfg) -> Model:
-    """The checkpoint at path as the engine settings (EngineConfig) say: dtype, quantize,
-    device."""
+def load_model(path, mc: ModelConfig, cfg, quantize: str | None = None) -> Model:
+    """The checkpoint at path as the engine settings (EngineConfig) say: dtype, quantize
+    (unless given), device."""
     device = getattr(cfg, "device", "cpu")
     return Model(mc, load_weights(path, mc, cfg.torch_dtype, device), cfg.torch_dtype,
-                 cfg.quantize)
+                 cfg.quantize if quantize is None else quantize)
 
 
 def kv_pool(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,

@@ -9,6 +9,10 @@
          SmolLM2 weights recovers llama.cpp's own weights (up to bf16 rounding). The LM
          head stays int8 in this mode, as the GGUF keeps token_embd in Q8_0.
 
+torch's CPU kernels are vectorized for bfloat16 activations, not float32 (30-100x slower):
+a float32 model's quantized matmuls take bfloat16 activations and scales, the result goes
+back to float32.
+
 A quantized weight is an object with `mm(x) -> x @ w.T` (`linear` in model.py calls it),
 `nbytes` (what one decode step reads) and `dequantize()` (tests, accuracy checks).
 Embedding lookups keep the unquantized table (one row per token is read).
@@ -29,7 +33,7 @@ class Int8Weight:
         wf = w.float()
         scale = wf.abs().amax(dim=1).clamp(min=1e-8) / 127.0
         self.q = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
-        self.scale = scale.to(w.dtype)
+        self.scale = scale.to(_act(w.dtype, w.is_cuda))
 
     @property
     def shape(self) -> torch.Size:
@@ -41,11 +45,25 @@ class Int8Weight:
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:  # no fused kernel relied on: dequantize on the fly (unverified path)
-            return F.linear(x, self.q.to(x.dtype)) * self.scale
-        return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+            return F.linear(x, self.q.to(x.dtype)) * self.scale.to(x.dtype)
+        return torch.ops.aten._weight_int8pack_mm(x.to(self.scale.dtype), self.q,
+                                                  self.scale).to(x.dtype)
 
     def dequantize(self) -> torch.Tensor:
         return (self.q.float() * self.scale.float()[:, None]).to(self.scale.dtype)
+
+
+def int4_codes(w: torch.Tensor, group: int = INT4_GROUP):
+    """(q [n, k] int32 in 0..15, scale, zero [n, k/group, 1] float32): w ~= (q - 8) scale
+    + zero per group of `group` input channels (min and max of a group on the grid)."""
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"int4: in_features {k} is not a multiple of the group {group}")
+    g = w.float().reshape(n, k // group, group)
+    lo, hi = g.amin(dim=-1, keepdim=True), g.amax(dim=-1, keepdim=True)
+    scale = (hi - lo).clamp(min=1e-8) / 15.0
+    q = torch.round((g - lo) / scale).clamp_(0, 15).to(torch.int32).reshape(n, k)
+    return q, scale, lo + 8.0 * scale
 
 
 class Int4Weight:
@@ -53,15 +71,9 @@ class Int4Weight:
 
     def __init__(self, w: torch.Tensor, group: int = INT4_GROUP, inner_k_tiles: int = 1):
         n, k = w.shape
-        if k % group:
-            raise ValueError(f"int4: in_features {k} is not a multiple of the group {group}")
-        g = w.float().reshape(n, k // group, group)
-        lo, hi = g.amin(dim=-1, keepdim=True), g.amax(dim=-1, keepdim=True)
-        scale = (hi - lo).clamp(min=1e-8) / 15.0
-        q = torch.round((g - lo) / scale).clamp_(0, 15).to(torch.int32).reshape(n, k)
-        zero = lo + 8.0 * scale                                   # (q - 8) * scale + zero
+        q, scale, zero = int4_codes(w, group)
         sz = torch.cat([scale, zero], dim=-1)                     # [n, k/g, 2]
-        self.scales_zeros = sz.transpose(0, 1).contiguous().to(w.dtype)   # [k/g, n, 2]
+        self.scales_zeros = sz.transpose(0, 1).contiguous().to(_act(w.dtype, w.is_cuda))
         self.group, self.out_features, self.in_features = group, n, k
         self._dq = None
         if w.is_cuda:   # the CUDA packing (unverified); dequantized fallback if missing
@@ -96,13 +108,18 @@ class Int4Weight:
         if x.is_cuda:
             return torch.ops.aten._weight_int4pack_mm(x, self.packed, self.group,
                                                       self.scales_zeros)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group,
-                                                          self.scales_zeros)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(self.scales_zeros.dtype), self.packed, self.group, self.scales_zeros).to(x.dtype)
 
     def dequantize(self) -> torch.Tensor:
         eye = torch.eye(self.in_features, dtype=self.scales_zeros.dtype,
                         device=self.scales_zeros.device)
         return self.mm(eye).T.contiguous()
+
+
+def _act(dtype: torch.dtype, cuda: bool) -> torch.dtype:
+    """The activation dtype of the CPU kernels for a model of `dtype`."""
+    return torch.bfloat16 if dtype == torch.float32 and not cuda else dtype
 
 
 def quantize_weight(w: torch.Tensor, mode: str, head: bool = False):

@@ -19,7 +19,7 @@ from shared.contracts.kv import KvWrite, KvWriteAck
 from shared.service import ServiceError
 
 from .transport import OnWrite
-from .wire import Buffer, checksum
+from .wire import Buffer, write_checksum
 
 log = logging.getLogger("pdmesh.kv")
 
@@ -46,7 +46,7 @@ class InMemoryKvTransport:
         self.sent += 1
         try:
             meta = KvWrite.from_headers(meta.headers())
-            if checksum(data) != meta.checksum:
+            if write_checksum(data) != meta.checksum:
                 raise ContractError(f"KV write {meta.request_id}#{meta.seq}: checksum mismatch")
             return await on_write(meta, data)
         except ServiceError:

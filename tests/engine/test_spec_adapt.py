@@ -1,66 +1,66 @@
-"""Adaptive speculation (shared/engine/spec/adapt.py): the cost fits, the choice of k
-from costs and accept rates, and an engine that adapts while its output stays greedy."""
+"""Adaptive speculation (shared/engine/spec/adapt.py): a bandit over k per batch class,
+fed by timed engine steps; an engine that adapts while its output stays greedy."""
 from __future__ import annotations
-
-import pytest
 
 from shared.contracts.sampling import SamplingParams
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
-from shared.engine.spec.adapt import AdaptiveK, Line, expected_tokens
+from shared.engine.spec.adapt import PROBE_EVERY, TRIES, AdaptiveK, batch_class
 
 
 class Seq:
-    def __init__(self, proposed=0, accepted=0):
-        self.spec_proposed, self.spec_accepted, self.output_ids = proposed, accepted, [1]
+    output_ids = [1]
 
 
-def test_line_fits_and_forgets():
-    f = Line(decay=0.9)
-    assert f(3) is None and not f.spread
-    for n in (1, 2, 4, 8, 1, 16):
-        f.add(n, 2.0 + 0.5 * n)
-    assert f.spread and f(10) == pytest.approx(7.0, rel=1e-6)
-    for _ in range(200):                  # the costs changed: the fit follows
-        f.add(4, 10.0)
-        f.add(8, 12.0)
-    assert f(6) == pytest.approx(11.0, rel=1e-3)
+class Out:
+    def __init__(self, tokens):
+        self.new_token_ids, self.num_output_tokens = [0] * tokens, 10 + tokens
 
 
-def test_expected_tokens():
-    assert expected_tokens(0.0, 4) == 1.0 and expected_tokens(0.5, 0) == 1.0
-    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
-
-
-def fitted(k_max, target, draft, seqs):
-    ad = AdaptiveK(k_max, lambda: seqs)
-    for n in (1, 2, 4, 8, 16, 32, 64, 128):
-        ad.target.add(n, target(n))
-        ad.draft.add(n, draft(n))
-    return ad
-
-
-@pytest.mark.parametrize("alpha,batch,target,want", [
-    (0.9, 1, lambda n: 10 + 0.05 * n, 4),     # predictable text, memory-bound: all drafts
-    (0.05, 1, lambda n: 10 + 0.05 * n, 0),    # the draft is always wrong: none
-    (0.6, 16, lambda n: 1 + 1.0 * n, 0),      # a big batch, rows cost: none
-])
-def test_best_k(alpha, batch, target, want):
-    seqs = [Seq(1000, int(1000 * alpha)) for _ in range(batch)]
-    ad = fitted(4, target, lambda n: 1 + 0.01 * n, seqs)
-    assert ad.best(seqs) == want
-
-
-def test_first_steps_try_every_k_then_probe():
-    seqs = [Seq()]
-    ad = AdaptiveK(2, lambda: seqs)
+def drive(ad: AdaptiveK, rate_of, steps: int, batch: int = 1) -> list[int]:
+    """Run steps where k gives rate_of(k) tokens per second per sequence."""
     got = []
-    for _ in range(6):
-        got.append(ad.k_for(seqs[0]))
-        ad.k_for(seqs[0])                 # the same step: the same k
-        ad.on_target(1 + got[-1], 0.01 * (1 + got[-1]))
-        ad.on_draft(1, 0.001)
-    assert got == [0, 1, 2, 0, 1, 2]
+    for _ in range(steps):
+        k = ad.k_for(Seq())
+        assert ad.k_for(Seq()) == k            # one k per step
+        got.append(k)
+        ad.step_done([Out(2) for _ in range(batch)], 2 / rate_of(k))
+    return got
+
+
+def test_batch_classes():
+    assert [batch_class(b) for b in (1, 2, 3, 4, 5, 8, 9, 16)] == [0, 1, 2, 2, 3, 3, 4, 4]
+
+
+def test_tries_every_k_then_keeps_the_fastest_and_probes():
+    ad = AdaptiveK(3, lambda: [Seq()])
+    got = drive(ad, lambda k: [10, 30, 20, 5][k], 4 * TRIES + 64)
+    assert got[:4 * TRIES] == sorted(got[:4 * TRIES])      # each k in turn
+    rest = got[4 * TRIES:]
+    assert rest.count(1) >= len(rest) - len(rest) // PROBE_EVERY - 1
+    assert {0, 2, 3} <= set(rest)              # probes: neighbours, now and then the stalest
+
+
+def test_plain_decoding_wins_when_drafts_do_not_pay():
+    ad = AdaptiveK(4, lambda: [Seq()] * 8)
+    got = drive(ad, lambda k: 100 / (1 + 0.4 * k), 5 * TRIES + 48, batch=8)
+    assert got[-PROBE_EVERY + 1:].count(0) >= PROBE_EVERY - 2
+
+
+def test_the_choice_follows_a_change():
+    ad = AdaptiveK(2, lambda: [Seq()])
+    drive(ad, lambda k: [10, 20, 30][k], 3 * TRIES + 20)
+    got = drive(ad, lambda k: [30, 20, 10][k], 200)          # the text changed
+    assert got[-10:].count(0) >= 8
+
+
+def test_prompt_steps_do_not_count():
+    ad = AdaptiveK(1, lambda: [Seq()])
+    ad.k_for(Seq())
+    first = Out(1)
+    first.num_output_tokens = 1
+    ad.step_done([first], 5.0)
+    assert all(a.n == 0 for arms in ad.arms.values() for a in arms)
 
 
 def test_engine_adapts_and_greedy_output_stays(tiny_target, tiny_draft, tiny_prompts):

@@ -120,7 +120,7 @@ def test_drafts_are_the_draft_models_own_greedy_continuation(tiny_target, tiny_d
     monkeypatch.setattr(runner_mod.SpecRunner, "propose", recording)
     p = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     run(engine(tiny_target, tiny_draft), prompts + prompts[-2:], p, stagger=True)   # + L1 hits
-    alone = engine(tiny_draft)
+    alone = engine(tiny_draft, quantize=EngineConfig(model="x").draft_quant)   # as drafting
     want = [alone.generate([ctx], SamplingParams(temperature=0.0, max_tokens=len(d),
                                                  ignore_eos=True))[0]["token_ids"]
             for ctx, d in seen]

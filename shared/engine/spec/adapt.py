@@ -1,130 +1,130 @@
-"""Adaptive speculation: how many drafts each decode step verifies, chosen step by step so
-speculating is never slower than decoding plainly.
+"""Adaptive speculation: how many drafts each decode step verifies, chosen step by step
+from what steps actually deliver, so speculating is never slower than decoding plainly.
 
-A step verifying k drafts for each of B decoding sequences costs one target forward over
-B(k + 1) rows and k draft forwards over B rows; sequence i, whose drafts the target accepts
-at rate a_i, then emits E_i(k) = (1 - a_i^(k+1)) / (1 - a_i) tokens on average (k = 0: one
-token, plain decoding). Each step takes the k in 0..num_speculative_tokens that maximizes
-
-    sum_i E_i(k) / (T(B(k + 1)) + k D(B))
-
-where T and D are the target's and the draft's forward time as a function of rows, fitted
-online (least squares with exponential forgetting, from every forward's measured time),
-and a_i is the request's accept rate so far, shrunk toward the engine-wide rate while it
-has few drafts behind it. Small batches of predictable text get long drafts; a low accept
-rate or a large batch (the target's forward grows with its rows) gets short drafts or
-none. While the model of the costs is unknown, the first steps try every k in turn; later
-a step now and then tries a neighbour of the best k, so the fits follow the load.
+What a step with k drafts gives (tokens emitted per second of the whole step: draft
+forwards, the target's k + 1 rows per sequence, drafting and verification on the host)
+depends on the accept rate of the text being written and on the batch (the target's
+forward grows with its rows; at a large batch extra rows cost what they save). Neither is
+known ahead, so each batch size class (1, 2, 3-4, 5-8, ...) keeps, for every k in
+0..num_speculative_tokens (0: plain decoding), a running average of the tokens and the
+seconds of its steps (engine.step timed as a whole), and steps take the k with the
+highest tokens per second: a bandit over k. A class tries every k a few times first;
+afterwards one step in PROBE_EVERY tries a neighbour of the best k, and every few probes
+the k tried least recently (a probe's step counts more than a usual one), so a change of
+text or load moves the choice; a step far slower than its k's average (the machine was
+busy elsewhere) counts as only SPIKE times that. Steps that compute
+a prompt (their time is not decoding's) are not counted.
 
 Deterministic mode keeps num_speculative_tokens fixed: there k may depend only on the
 sequence (runner.py), never on timing.
 """
 from __future__ import annotations
 
-PRIOR_DRAFTS = 8          # a new request's accept rate: this many drafts at the engine's rate
-PROBE_EVERY = 32          # steps between tries of a neighbouring k
+import time
+
+TRIES = 2              # steps each k gets in a batch class before the bandit chooses
+PROBE_EVERY = 16       # then one step in this many tries a neighbour of the best k (every
+STALEST_EVERY = 4      # this many probes: the k tried least recently)
+DECAY = 0.93           # running averages: weight of the past per new step
+PROBE_WEIGHT = 0.5     # a probe's step counts this much (its arm's average may be stale)
+SPIKE = 3.0            # a step slower than this many times its k's average counts as that
 
 
-class Line:
-    """t ~ a + b n, least squares with exponential forgetting."""
+def batch_class(b: int) -> int:
+    return max(0, b - 1).bit_length()       # 1 -> 0, 2 -> 1, 3-4 -> 2, 5-8 -> 3, ...
 
-    def __init__(self, decay: float = 0.97):
-        self.decay = decay
-        self.s = [0.0] * 5           # weights, n, n^2, t, n t
 
-    def add(self, n: float, t: float) -> None:
-        d = self.decay
-        self.s = [d * x for x in self.s]
-        for i, v in enumerate((1.0, n, n * n, t, n * t)):
-            self.s[i] += v
+class Arm:
+    __slots__ = ("n", "tokens", "seconds", "last")
 
-    def __call__(self, n: float) -> float | None:
-        w, sn, snn, st, snt = self.s
-        if w < 1e-9:
-            return None
-        det = w * snn - sn * sn
-        b = max(0.0, (w * snt - sn * st) / det) if det > 1e-9 * max(1.0, w * snn) else 0.0
-        a = (st - b * sn) / w
-        return max(1e-6, a + b * n)
+    def __init__(self):
+        self.n, self.tokens, self.seconds, self.last = 0, 0.0, 0.0, 0
+
+    def add(self, tokens: int, seconds: float, probe: bool = False) -> None:
+        if self.n:      # a preempted step (a busy machine) must not sink its k
+            seconds = min(seconds, SPIKE * self.seconds * max(1.0, tokens / self.tokens))
+        d = (1 - PROBE_WEIGHT if probe else DECAY) if self.n else 0.0
+        self.tokens = d * self.tokens + (1 - d) * tokens
+        self.seconds = d * self.seconds + (1 - d) * seconds
+        self.n += 1
 
     @property
-    def spread(self) -> bool:
-        """Whether the fit has seen more than one n."""
-        w, sn, snn = self.s[:3]
-        return w > 0 and w * snn - sn * sn > 1e-6 * max(1.0, w * snn)
-
-
-def expected_tokens(a: float, k: int) -> float:
-    a = min(max(a, 0.0), 0.999)
-    return (1.0 - a ** (k + 1)) / (1.0 - a)
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 class AdaptiveK:
-    def __init__(self, k_max: int, running, alpha0: float = 0.6):
-        """running(): the sequences the scheduler runs (their count is the batch)."""
+    def __init__(self, k_max: int, running):
+        """running(): the sequences the scheduler runs (those decoding are the batch)."""
         self.k_max, self.running = k_max, running
-        self.target, self.draft = Line(), Line()
-        self.alpha_all = alpha0
-        self.forwards = 0            # target forwards: one per engine step
-        self._at = -1
-        self._k = k_max
-        self.chosen = [0] * (k_max + 1)   # steps that chose each k (STATS)
-
-    # ---- observations -----------------------------------------------------------------
-    def on_target(self, rows: int, seconds: float) -> None:
-        self.target.add(rows, seconds)
-        self.forwards += 1
-
-    def on_draft(self, rows: int, seconds: float) -> None:
-        self.draft.add(rows, seconds)
-
-    def on_verified(self, proposed: int, accepted: int) -> None:
-        if proposed:
-            w = min(0.5, proposed / 64)
-            self.alpha_all += w * (accepted / proposed - self.alpha_all)
-
-    # ---- the decision -------------------------------------------------------------------
-    def alpha(self, seq) -> float:
-        return ((seq.spec_accepted + PRIOR_DRAFTS * self.alpha_all)
-                / (seq.spec_proposed + PRIOR_DRAFTS))
+        self.arms: dict[int, list[Arm]] = {}
+        self.steps = 0
+        self._k: int | None = None     # this step's choice (None: not chosen yet)
+        self._cls = 0
+        self._probe = False
+        self.chosen = [0] * (k_max + 1)   # steps that chose each k (stats)
+        self.proposed = self.accepted = 0
 
     def k_for(self, seq) -> int:
-        if self._at != self.forwards:        # once per step
-            self._at = self.forwards
-            self._k = self.choose()
+        """The step's k (the same for every sequence of the step)."""
+        if self._k is None:
+            b = sum(1 for s in self.running() if s.output_ids)
+            self._cls = batch_class(b)
+            self._k = self.choose(self.arms.setdefault(self._cls, [
+                Arm() for _ in range(self.k_max + 1)]))
             self.chosen[self._k] += 1
         return self._k
 
-    def choose(self) -> int:
-        seqs = [s for s in self.running() if s.output_ids]
-        step = self.forwards
-        if not self.target.spread or self.draft(1) is None or step < 2 * (self.k_max + 1):
-            return step % (self.k_max + 1)            # learn the costs: every k in turn
-        best = self.best(seqs)
-        if step % PROBE_EVERY == 0 and self.k_max:    # keep the fits honest near the best
-            return best + 1 if best < self.k_max and (best == 0 or step % 64) else best - 1
-        return best
+    def choose(self, arms: list[Arm]) -> int:
+        self.steps += 1
+        self._probe = False
+        untried = [k for k, a in enumerate(arms) if a.n < TRIES]
+        if untried:
+            return untried[0]
+        best = max(range(len(arms)), key=lambda k: arms[k].rate)
+        if self.steps % PROBE_EVERY or not self.k_max:
+            return best
+        self._probe = True
+        if self.steps % (PROBE_EVERY * STALEST_EVERY) == 0:
+            return min((k for k in range(len(arms)) if k != best), key=lambda k: arms[k].last)
+        near = [k for k in (best - 1, best + 1) if 0 <= k <= self.k_max]
+        return min(near, key=lambda k: arms[k].last)
 
-    def best(self, seqs) -> int:
-        B = max(1, len(seqs))
-        alphas = [self.alpha(s) for s in seqs] or [self.alpha_all]
-        rates = []
-        for k in range(self.k_max + 1):
-            tokens = sum(expected_tokens(a, k) for a in alphas)
-            seconds = self.target(B * (k + 1)) + k * (self.draft(B) or 0.0)
-            rates.append(tokens / seconds)
-        return max(range(len(rates)), key=rates.__getitem__)
+    def step_done(self, outs, seconds: float) -> None:
+        """After engine.step: count the step against its k (unless it computed a prompt)."""
+        k, self._k = self._k, None
+        if k is None or not outs:
+            return
+        if any(o.num_output_tokens <= len(o.new_token_ids) for o in outs):
+            return                          # a first token: this step computed a prompt
+        arm = self.arms[self._cls][k]
+        arm.add(sum(len(o.new_token_ids) for o in outs), seconds, self._probe)
+        arm.last = self.steps
+
+    def on_verified(self, proposed: int, accepted: int) -> None:
+        """A verification's counts (the arms see them as tokens per step already)."""
+        self.proposed += proposed
+        self.accepted += accepted
 
     def stats(self) -> dict:
-        return {"spec_k_chosen": list(self.chosen), "spec_alpha": self.alpha_all}
+        return {"spec_k_chosen": list(self.chosen),
+                "spec_accept_rate": self.accepted / self.proposed if self.proposed else None}
 
     @classmethod
     def attach(cls, runner) -> "AdaptiveK | None":
         """For a SpecRunner: None when k stays fixed (deterministic mode, or the engine's
-        spec_adaptive off); else listening to both models' forwards."""
+        spec_adaptive off); else timing every engine step."""
         cfg, eng = runner.cfg, runner.engine
         if cfg.deterministic or not getattr(cfg, "spec_adaptive", True):
             return None
         ad = cls(cfg.num_speculative_tokens, lambda: eng.scheduler.running)
-        eng.model.forward_listener, runner.draft.forward_listener = ad.on_target, ad.on_draft
+        step = eng.step
+
+        def timed_step():
+            t = time.perf_counter()
+            outs = step()
+            ad.step_done(outs, time.perf_counter() - t)
+            return outs
+
+        eng.step = timed_step
         return ad
