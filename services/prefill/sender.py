@@ -7,8 +7,9 @@ transport (shared/kv/transport.py: NATS by default); decode's ack is the credit.
 max_payload) whatever the sender's speed. Writes are sized to the transport's max_payload
 (or less).
 
-Layer-wise streaming (stream.py, on unless `stream=False`): open() before the prompt
-computes, and each layer's KV of each chunk goes out as soon as the forward has written it,
+Layer-wise streaming (stream.py, on unless `stream=False`, for prompts over one chunk):
+open() before the prompt computes, and each layer's KV of each chunk goes out as soon as
+the forward has written it,
 while the later layers compute; send() after the compute writes what is left (the last
 layers, and prompt blocks prefill did not compute: its own prefix-cache hits). Without
 open(), send() writes every block after the compute, as before.
@@ -62,8 +63,10 @@ class KvSender:
     # ---- layer-wise streaming ---------------------------------------------------------
     def open(self, job: PrefillJob, engine, local_id: str, attempt: str) -> None:
         """Stream the attempt's KV while engine request `local_id` computes (call before
-        it is added to the engine)."""
-        if not self.stream_enabled:
+        it is added to the engine). A prompt of one chunk is not streamed: its forward is
+        short, and waking the event loop at every layer costs the forward more (the GIL)
+        than the overlap gains; its KV goes in one write after it."""
+        if not self.stream_enabled or len(job.prompt_ids) <= engine.cfg.chunk_size:
             return
         engine.model.layer_listener = self._on_layer
         st = LayerStream(self, job, engine, local_id, attempt, asyncio.get_running_loop())
