@@ -234,7 +234,8 @@ async def kill_gateway_scenario(n: int, refs, prompts) -> dict:
 
 async def overload_scenario(seconds: float, refs, prompts) -> dict:
     """16 streams unloaded, then 160 for `seconds`: 429s, and the admitted ones' p99."""
-    async with cluster(prefill=1, decode=1) as c:
+    # admission at 1.5x the decode's batch (24): the latency bound the target asks for
+    async with cluster(prefill=1, decode=1, overrides={"gateway": {"max_in_flight": 24}}) as c:
         base = Load(c.url, prompts)
         await base.run(32, 16)
         p99 = pct([r["latency_s"] for r in base.results], 0.99)

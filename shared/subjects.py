@@ -171,7 +171,7 @@ GRANTS: tuple[Grant, ...] = (
     *(Grant("health", (s, ANY), pub=(s, DEBUG), sub=(s,)) for s in IDENTITIES),
     # a heartbeat comes only from its own service
     Grant("heartbeat", ("gateway",), pub=("gateway",), sub=("decode",)),
-    Grant("heartbeat", ("decode",), pub=("decode",)),
+    Grant("heartbeat", ("decode",), pub=("decode",), sub=("prefill",)),   # shm: same host?
     Grant("heartbeat", ("prefill",), pub=("prefill",), sub=("decode",)),
     Grant("heartbeat", ("kvstore",), pub=("kvstore",)),
     Grant("heartbeats_all", sub=("gateway",)),

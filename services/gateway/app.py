@@ -120,7 +120,7 @@ class Gateway:
         Retry-After) past max_in_flight. Every generating endpoint calls it first."""
         if self.draining:
             raise OpenAIError(503, "the gateway is shutting down", code="shutting_down")
-        cap = self.cfg.max_in_flight or 3 * self.registry.capacity(time.monotonic()) // 2
+        cap = self.cfg.max_in_flight or 4 * self.registry.capacity(time.monotonic())
         if cap and self.in_flight >= cap:
             self.metrics.failures.inc(code="rate_limit_exceeded")
             raise overloaded(f"{self.in_flight} requests in flight (limit {cap})")

@@ -81,8 +81,9 @@ class GatewayConfig:
         "decoding is refused (400 schema_too_complex); compiled on the gateway's grammar "
         "threads, off the event loop and the tokenizer thread"))
     max_in_flight: int = field(default=0, metadata=_help(
-        "requests in flight beyond this get 429 with Retry-After (0: 1.5 times what the "
-        "live decode instances batch at once, from their heartbeats)"))
+        "requests in flight beyond this get 429 with Retry-After (0: 4 times what the "
+        "live decode instances batch at once, from their heartbeats; lower it to bound "
+        "latency under overload, e.g. 1.5x)"))
 
     def __post_init__(self):
         if not self.model:
