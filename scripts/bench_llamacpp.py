@@ -85,7 +85,7 @@ async def level(url: str, model: str, c: int, n: int, max_tokens: int) -> dict:
 
     sem = asyncio.Semaphore(c)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800),
-                                     connector=aiohttp.TCPConnector(limit=0)) as http:
+                                     connector=aiohttp.TCPConnector(limit=0, force_close=True)) as http:
         await one(http, url, model, "Hello!", 8)                  # warm-up
 
         async def run(i):
@@ -118,7 +118,8 @@ def wait_http(url: str, path: str = "/v1/models", timeout: float = 600) -> None:
 
 def start(argv: list[str], url: str, log_path: Path, ready: str) -> subprocess.Popen:
     log(" ".join(argv))
-    p = subprocess.Popen(argv, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=open(log_path, "w"),
+                         stderr=subprocess.STDOUT)
     wait_http(url, ready)
     return p
 
@@ -139,7 +140,7 @@ def servers(args) -> list[tuple[str, list[str] | None, str, str]]:
                     "http://127.0.0.1:8082", "smollm2"))
     if args.spawn_pdmesh:
         out.append(("pdmesh", [sys.executable, "-m", "pdmesh.cli", "up", "--model",
-                               args.pdmesh_model, "--port", "8083", *MAKE_RUN_FLAGS],
+                               args.pdmesh_model, "--port", "8083", *args.pdmesh_flags.split()],
                     "http://127.0.0.1:8083", Path(args.pdmesh_model).name))
     elif args.pdmesh_url:
         out.append(("pdmesh", None, args.pdmesh_url.rstrip("/"), Path(args.pdmesh_model).name))
@@ -177,6 +178,8 @@ def main() -> int:
     ap.add_argument("--pdmesh-url", default="")
     ap.add_argument("--spawn-pdmesh", action="store_true")
     ap.add_argument("--pdmesh-model", default=str(default_model_dir()))
+    ap.add_argument("--pdmesh-flags", default=" ".join(MAKE_RUN_FLAGS),
+                    help="pdmesh up's flags with --spawn-pdmesh (default: make run's)")
     ap.add_argument("--gguf", default="")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
