@@ -50,7 +50,10 @@ class LayerStream:
             self.sent = [max(self.skip, self.first)] * self.L
         full = ctx_end // self.bs if ctx_end < self.prompt_len else -(-ctx_end // self.bs)
         self.done[layer] = max(self.done[layer], min(full, self.end))
-        self.loop.call_soon_threadsafe(self.wake.set)
+        try:
+            self.loop.call_soon_threadsafe(self.wake.set)
+        except RuntimeError:        # the loop is closed (shutting down): nobody sends now
+            pass
 
     # ---- the event loop ---------------------------------------------------------------
     def next_piece(self) -> wire.Piece | None:
