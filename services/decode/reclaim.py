@@ -27,7 +27,8 @@ SWEEP_S = 0.1
 
 class Reclaimer:
     def __init__(self, iid: str, table: RequestTable, slots: KvSlots, peers: DecodePeers,
-                 spawn, reclaim_timeout_s: float, forget=lambda rid: None):
+                 spawn, reclaim_timeout_s: float, forget=lambda rid: None,
+                 wake=lambda: None):
         self.iid = iid
         self.table = table
         self.slots = slots
@@ -35,6 +36,7 @@ class Reclaimer:
         self.spawn = spawn                 # start a background task
         self.timeout_s = reclaim_timeout_s
         self.forget = forget               # drop per-request state elsewhere (the monitor)
+        self.wake = wake                   # the engine loop: there is work (it may be asleep)
         self.fallbacks = 0
 
     def abort(self, rid: str, reason) -> DecodeRequest | None:
@@ -57,12 +59,14 @@ class Reclaimer:
         self.slots.fallback(rid, keep_blocks=plan is Plan.QUARANTINE)
         self.table.get(rid).path = Path.COLOCATED
         self.fallbacks += 1
+        self.wake()          # the sweep may be the only thing awake: nothing else would
         if plan is Plan.QUARANTINE:
             self.ask_owners()
 
     def release(self, rid: str, outcome: Outcome) -> None:
         """The quarantine ends: its blocks go back to the pool."""
         self.slots.release(self.table.reclaimed(rid, outcome, time.monotonic()))
+        self.wake()          # freed blocks: a request waiting for them may now run
         if outcome is Outcome.LEASE:
             log.warning("%s: no reclaim answer within %.1fs; blocks freed (epoch-fenced)", rid,
                         self.table.lease_s)

@@ -86,7 +86,7 @@ class DecodeService:
         self.monitor = AnomalyMonitor(cfg.monitor_config()) if speculating else None
         self.injected = inject.install(self, cfg.faults)   # TEST ONLY wrappers, if any
         self.reclaimer = Reclaimer(self.iid, self.table, self.slots, None, self.rt.spawn,
-                                   cfg.reclaim_timeout_s, self._forget)
+                                   cfg.reclaim_timeout_s, self._forget, self.wake.set)
         self.stream = TokenStream(self.iid, self.table, None, self.reclaimer, self.monitor,
                                   self.write_back)
         self.writeback = None

@@ -124,8 +124,8 @@ class LocalMesh:
     async def abort(self, rid: str) -> None:
         await self.decode.on_abort(Abort(request_id=rid))
 
-    async def tokens(self, rid: str) -> list[int]:
-        await asyncio.wait_for(self.finished[rid].wait(), 60)
+    async def tokens(self, rid: str, timeout: float = 60) -> list[int]:
+        await asyncio.wait_for(self.finished[rid].wait(), timeout)
         return [t for c in self.chunks[rid] for t in c.token_ids]
 
     # ---- decode's peers -------------------------------------------------------------

@@ -192,3 +192,22 @@ async def test_a_write_meant_for_a_previous_life_never_lands(tiny_target, tiny_p
     finally:
         await old.close()
         await new.close()
+
+
+async def test_a_silent_prefill_on_an_idle_mesh_is_prefilled_here(tiny_target, tiny_prompts,
+                                                                  reference):
+    """No prefill ever takes the job, and nothing else is running: the sweep's fallback
+    (prefill_timeout_s) must wake the sleeping engine loop itself, or the request waits
+    for the next arrival (in a chaos run, for the gateway's 60 s progress timeout)."""
+    mesh = LocalMesh(tiny_target, decode={"prefill_timeout_s": 0.2})
+    await mesh.start()
+    mesh.tasks.append(asyncio.ensure_future(mesh.decode.reclaimer.run(0.2)))
+    try:
+        p = prompt(tiny_prompts, 6)
+        await mesh.submit("a", p, max_tokens=MAX_TOKENS, ignore_eos=True)
+        await asyncio.sleep(0.05)           # the engine loop is asleep: nothing to step
+        assert await mesh.tokens("a", timeout=10) == reference(p)
+        st = stats(mesh)
+        assert st["prefill_fallbacks"] == 1 and st["blocks_used"] == 0
+    finally:
+        await mesh.close()
