@@ -336,11 +336,13 @@ def _route(request: web.Request) -> str:
 
 
 def _error_response(request: web.Request, e: OpenAIError) -> web.Response:
-    shaped = api_error_response(request, e)     # e.g. Anthropic's shape on /v1/messages
-    if shaped is not None:
-        return shaped
-    return web.Response(status=e.status, body=P.dumps(e.body()), content_type="application/json",
-                        headers=e.headers)
+    resp = api_error_response(request, e)       # e.g. Anthropic's shape on /v1/messages
+    if resp is None:
+        resp = web.Response(status=e.status, body=P.dumps(e.body()),
+                            content_type="application/json", headers=e.headers)
+    if e.headers.get("Connection") == "close":
+        resp.force_close()          # a body not read to its end: the connection is not reused
+    return resp
 
 
 def _http_error(e: web.HTTPException, request: web.Request) -> OpenAIError:

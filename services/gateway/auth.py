@@ -67,7 +67,9 @@ def parse_keys(api_key: str, api_key_file: str) -> list[str]:
 
 
 def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode()).digest()
+    # surrogateescape: a header's bytes that are not UTF-8 arrive as lone surrogates
+    # (aiohttp decodes them so); they hash as those bytes and match no key, never a 500
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
 
 
 class KeyRing:

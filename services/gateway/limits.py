@@ -97,9 +97,18 @@ def check_cache_salt(salt) -> None:
                           "cache_salt")
 
 
+def unreadable(e: Exception) -> OpenAIError:
+    """400 for a body aiohttp could not read: a Content-Encoding (gzip, deflate) that does
+    not decode, a body cut short."""
+    why = getattr(e.__cause__, "message", None) or str(e)
+    return OpenAIError(400, f"request body could not be read: {why}", code="invalid_body",
+                       headers={"Connection": "close"})
+
+
 def body_middleware(limit_of):
     """aiohttp middleware: a body whose Content-Length is over limit_of() is refused (413)
-    before a byte of it is read; a chunked one is cut off at the limit while read."""
+    before a byte of it is read; a chunked one is cut off at the limit while read; one that
+    cannot be read (bad Content-Encoding) is a 400, not an unhandled RequestPayloadError."""
     from aiohttp import web
 
     @web.middleware
@@ -109,7 +118,13 @@ def body_middleware(limit_of):
             raise too_large(limit)
         if request.can_read_body:
             request = request.clone(client_max_size=limit)
-        return await handler(request)
+        try:
+            return await handler(request)
+        except web.RequestPayloadError as e:
+            # the rest cannot be read either: end the payload, or aiohttp reads it again after
+            # the answer (and fails); the answer closes the connection (Connection: close)
+            request.content.feed_eof()
+            raise unreadable(e) from None
 
     return limit_body
 
@@ -138,8 +153,9 @@ class SchemaBudget:
         self.enums += (len(enum) if isinstance(enum, list) else 0) + ("const" in node)
         if isinstance(props, dict):
             self.props += len(props)
-            required = node.get("required")
-            required = set(required) if isinstance(required, list) else set()
+            required = node.get("required")     # its items may be anything: only names count
+            required = ({r for r in required if isinstance(r, str)}
+                        if isinstance(required, list) else set())
             self.optional_cost += sum(1 for k in props if k not in required) ** 2
             if self.optional_cost > MAX_OPTIONAL_COST:
                 raise _complex(param, "too many optional properties (the sum over objects of "
@@ -153,7 +169,9 @@ class SchemaBudget:
         if self.props > MAX_PROPERTIES:
             raise _complex(param, f"more than {MAX_PROPERTIES} properties")
         if isinstance(pattern, str):
-            repeats = [int(n) for m in _REPEAT.finditer(pattern) for n in m.groups() if n]
+            # length first: int() refuses a run of over 4300 digits (ValueError)
+            repeats = [int(n) for m in _REPEAT.finditer(pattern) for n in m.groups() if n
+                       ] if len(pattern) <= MAX_PATTERN_CHARS else []
             if len(pattern) > MAX_PATTERN_CHARS or max(repeats, default=0) > MAX_PATTERN_REPEAT:
                 raise _complex(param, f"a pattern over {MAX_PATTERN_CHARS} characters or with "
                                       f"a counted repeat over {MAX_PATTERN_REPEAT}")

@@ -137,6 +137,7 @@ class OpenAIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
                  code: str | None = None, type: str | None = None,
                  headers: dict[str, str] | None = None):
+        message = _encodable(message)
         super().__init__(message)
         self.status = status
         self.headers = headers or {}
@@ -151,6 +152,16 @@ class OpenAIError(Exception):
 
     def __repr__(self) -> str:
         return f"OpenAIError({self.status}, {self.message!r}, param={self.param!r})"
+
+
+def _encodable(text: str) -> str:
+    """text that encodes as UTF-8: a lone surrogate (from a request header or path that was
+    not UTF-8) is written as its escape, or the error body itself could not be sent."""
+    try:
+        text.encode()
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode()
 
 
 def overloaded(message: str, retry_after_s: int = 1) -> OpenAIError:

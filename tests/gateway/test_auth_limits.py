@@ -324,6 +324,58 @@ async def test_errors_carry_no_paths_or_reprs(keyed):
     assert "Traceback" not in e["message"] and "/work" not in e["message"]
 
 
+# ---- client input that once reached the catch-all (a 500): each is a 4xx now ----------------
+
+
+async def test_a_body_whose_content_encoding_does_not_decode_is_400(keyed):
+    for path, encoding in ((CHAT, "gzip"), ("/tokenize", "deflate"), ("/v1/messages", "gzip")):
+        r = await keyed.post(path, data=b"this is not gzip", headers=bearer(KEYS[0]) | {
+            "Content-Encoding": encoding, "Content-Type": "application/json"})
+        assert r.status == 400 and r.headers["Connection"] == "close", await r.text()
+        body = await r.json()
+        err = body["error"]
+        assert "could not be read" in err["message"] and encoding in err["message"], err
+        if path != "/v1/messages":                     # (there: Anthropic's shape)
+            assert err["code"] == "invalid_body", err
+
+
+async def test_an_api_key_header_that_is_not_utf8_is_401(keyed):
+    async def raw(header: bytes) -> tuple[int, dict]:
+        reader, writer = await asyncio.open_connection(keyed.host, keyed.port)
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + header +
+                     b"\r\n\r\n")
+        data = await reader.read()
+        writer.close()
+        head, _, body = data.partition(b"\r\n\r\n")
+        return int(head.split()[1]), json.loads(body)
+    for header in (b"Authorization: Bearer \xff\xfe",      # (the 401 shows the 2nd key's ends)
+                   b"x-api-key: \xffsk-\xc3\xa9t\xe9-0123456789\xfe"):
+        status, body = await raw(header)
+        assert status == 401 and body["error"]["code"] == "invalid_api_key", body
+
+
+ODD_SCHEMAS = [   # required items that are not names; a counted repeat of 4,400 digits
+    {"type": "object", "properties": {"a": {}}, "required": [["a"], {"b": 1}]},
+    {"type": "object", "properties": {"a": {"type": "string", "pattern": "a{" + "9" * 4400 + "}"}}},
+]
+
+
+@pytest.mark.parametrize("schema", ODD_SCHEMAS, ids=["required-unhashable", "repeat-4400-digits"])
+async def test_odd_schemas_are_400s_on_every_api(keyed, schema):
+    tool = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    for path, body in (
+            (CHAT, {"messages": MSGS, "tools": tool}),
+            (CHAT, {"messages": MSGS, "response_format": fmt(schema)}),
+            ("/v1/responses", {"input": "hi", "tools": [{"type": "function", "name": "f",
+                                                         "parameters": schema}]}),
+            ("/v1/messages", {"model": "tiny-target", "max_tokens": 4, "messages": MSGS,
+                              "tools": [{"name": "f", "input_schema": schema}]}),
+            ("/tokenize", {"messages": MSGS, "tools": tool})):
+        r = await keyed.post(path, json=body, headers=bearer(KEYS[0]))
+        # /tokenize compiles no grammar: it may count the tokens of a schema xgrammar refuses
+        assert r.status == 400 or path == "/tokenize" and r.status == 200, (path, await r.text())
+
+
 def test_cache_aware_routing_is_per_tenant():
     """The gateway's routing hint never says where another tenant's prompt went."""
     from services.gateway.affinity import PrefixAffinity
