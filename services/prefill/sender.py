@@ -130,8 +130,14 @@ class KvSender:
             return 0
         dest = job.dest.instance_id
         alloc = getattr(self.transport, "alloc", None)     # a same-host shared-memory region
-        buf = alloc(dest, wire.piece_bytes(engine.kv, p.b1 - p.b0, p.l0, p.l1)) if alloc else None
-        payload, shape = wire.pack(engine.kv, src[p.b0:p.b1], p.l0, p.l1, out=buf)
+        try:
+            nbytes = wire.piece_bytes(engine.kv, p.b1 - p.b0, p.l0, p.l1)
+            buf = alloc(dest, nbytes) if alloc else None
+            payload, shape = wire.pack(engine.kv, src[p.b0:p.b1], p.l0, p.l1, out=buf)
+        except Exception as e:  # noqa: BLE001 - never a silent hole in the KV: the attempt fails
+            errors.append(f"KV write {p.index}: not packed: {e!r}")
+            ledger.stop(attempt)
+            return 0
         ledger.issue(attempt)         # counted before the first await: a Reclaim waits for it
         answered, sent = False, 0
         try:

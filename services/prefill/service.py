@@ -209,18 +209,21 @@ class PrefillService:
             self.counters["jobs_refused"] += 1
             return None
         local_id = f"{job.request_id}/{attempt[:8]}"
+        log.debug("%s: attempt %s claimed", job.request_id, attempt)
         t0 = time.monotonic()
         try:
             self.sender.open(job, self.engine, local_id, attempt)   # layer-wise KV streaming
             with tracing.span("compute", prompt_tokens=len(job.prompt_ids)):
                 out, tier = await self.compute(local_id, job)
             compute_s = time.monotonic() - t0
+            log.debug("%s: attempt %s computed in %.3fs", job.request_id, attempt, compute_s)
             if self.ledger.get(attempt).phase is Phase.CANCELLED:
                 raise Reclaimed(f"{job.request_id}: reclaimed before its last write")
             t1 = time.monotonic()
             with tracing.span("kv_transfer", decode=job.dest.instance_id):
                 writes, nbytes = await self.sender.send(job, self.engine, local_id, attempt)
             transfer_s = time.monotonic() - t1
+            log.debug("%s: attempt %s sent %d writes", job.request_id, attempt, writes)
             self.counters["kv_writes"] += writes
             self.counters["kv_bytes"] += nbytes
             self.counters["kv_transfer_s"] += transfer_s

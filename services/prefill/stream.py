@@ -19,8 +19,11 @@ more and ends once its writes in flight have.
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from shared.kv import wire
+
+log = logging.getLogger("pdmesh.prefill")
 
 
 class LayerStream:
@@ -91,6 +94,13 @@ class LayerStream:
                   for p in wire.plan(hi - lo, self.engine.kv, self.sender.max_bytes)]
         if self.first is None:
             self.sent = [self.end] * self.L
+        elif min(self.done) < self.end:
+            log.warning("%s: layers short after the compute: first=%s skip=%d end=%d "
+                        "prompt=%d done=%s sent=%s", self.job.request_id, self.first, self.skip,
+                        self.end, self.prompt_len, self.done, self.sent)
+        # the compute is over, so every block is final at every layer: what the listener
+        # did not report (next_piece) still goes, and the stream always drains
+        self.done = [self.end] * self.L
         return pieces
 
     async def pump(self) -> None:
@@ -98,6 +108,9 @@ class LayerStream:
         rest: list[wire.Piece] | None = None
         ledger, window = self.sender.ledger, self.sender.window
         while True:
+            # forget finished writes first: a full window of writes that have all completed
+            # must free the window now (the wake their callbacks gave is being spent)
+            tasks = {t for t in tasks if not t.done()}
             while len(tasks) < window and ledger.may_issue(self.attempt) and not self.errors:
                 if rest is None and self.finished:
                     rest = self.rest()
@@ -107,14 +120,13 @@ class LayerStream:
                 t = asyncio.ensure_future(self._write(p))
                 t.add_done_callback(lambda _: self.wake.set())
                 tasks.add(t)
-            tasks = {t for t in tasks if not t.done()}
             stopped = not ledger.may_issue(self.attempt) or bool(self.errors)
             drained = rest is not None and not rest and all(
                 s >= self.end for s in self.sent)
             if not tasks and (stopped or drained):
                 return
             self.wake.clear()
-            if tasks and all(t.done() for t in tasks):
+            if any(t.done() for t in tasks):
                 continue
             await self.wake.wait()
 

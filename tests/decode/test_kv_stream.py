@@ -4,6 +4,9 @@ alone, the write ledger counts every write exactly, and blocks prefill did not c
 (its own prefix-cache hits) still reach decode."""
 from __future__ import annotations
 
+import asyncio
+from collections import defaultdict
+
 import pytest
 
 from services.prefill.stream import LayerStream
@@ -161,3 +164,47 @@ class _Loop:
     def call_soon_threadsafe(self, fn, *args):
         fn(*args)
 
+
+
+class _Ledger:
+    def __init__(self):
+        self.stopped = False
+
+    def may_issue(self, attempt):
+        return not self.stopped
+
+
+class _WritingSender(_Sender):
+    """Writes complete at once (the next loop turn) and are recorded."""
+
+    def __init__(self, max_bytes, window):
+        super().__init__(max_bytes)
+        self.window, self.ledger, self.counters = window, _Ledger(), defaultdict(int)
+        self.pieces = []
+
+    async def write(self, job, engine, attempt, src, p, errors):
+        await asyncio.sleep(0)
+        self.pieces.append((p.b0, p.b1, p.l0, p.l1))
+        return 1
+
+
+class _HoldingEngine(_Engine):
+    def kept_blocks(self, rid):
+        return list(range(self.kv.shape[2]))
+
+
+@pytest.mark.parametrize("window", [1, 2])
+async def test_the_stream_drains_when_every_write_of_a_full_window_has_completed(window):
+    """A full window of writes that all completed before the pump looked again must free
+    the window: once it waited with nothing in flight and ready layers unsent, for a wake
+    that never came (the chaos run's prefill jobs that never finished, issue 14)."""
+    import torch
+    kv = torch.zeros(4, 2, 8, 16, 1, 8)
+    sender = _WritingSender(2 * 16 * 8 * 4, window)            # one block-layer per write
+    st = LayerStream(sender, _Job(64, 4), _HoldingEngine(kv), "r", "a",
+                     asyncio.get_running_loop())
+    st.task = asyncio.ensure_future(st.pump())
+    for layer in range(4):
+        st.computed(layer, 0, 64)                              # 16 pieces ready at once
+    errors, nbytes = await asyncio.wait_for(st.finish(), 5)
+    assert errors == [] and nbytes == 16 and len(set(sender.pieces)) == 16
