@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING
 import msgspec
 from aiohttp import web
 
-from shared.contracts.messages import AbortReason, TokenChunk
+from shared.contracts.messages import TokenChunk
 
 from . import protocol as P
-from .dispatch import ClientGone
+from .aborting import AbortOnExit, close
 from .protocol import OpenAIError
 from .respond import SSE_HEADERS, Answer, _client_gone, _Sse, next_chunk, whole_body
 from .validate import Prepared
@@ -125,30 +125,18 @@ class Choices:
         return {"x-pdmesh-path": d.path.value, "x-pdmesh-decode": d.instance}
 
     async def close(self, reason: str) -> None:
-        for ans in self.answers:
-            await self.client.abort(ans.d, reason)     # no-op when decode finished it
-            self.client.release(ans.d)
+        await close(self.client, self.answers, reason)
 
 
 async def answer_n(request: web.Request, gw: Gateway, prep: Prepared, rid: str,
                    arrival: float) -> web.StreamResponse:
     """The HTTP answer of a request with n > 1 (JSON or SSE)."""
     ch = Choices(gw, request, prep, rid, arrival)
-    reason = AbortReason.CLIENT.value
-    try:
+    async with AbortOnExit(gw.client, gw.metrics, ch.answers):
         await ch.dispatch(0)
         if prep.options.stream:
             return await _stream(ch)
         return await _whole(ch)
-    except OpenAIError as e:
-        reason = e.code or "error"
-        gw.metrics.failures.inc(code=reason)
-        raise
-    except (ClientGone, ConnectionError, asyncio.CancelledError):
-        gw.metrics.failures.inc(code="client_gone")
-        raise
-    finally:
-        await ch.close(reason)
 
 
 async def _whole(ch: Choices) -> web.Response:

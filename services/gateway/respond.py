@@ -17,7 +17,6 @@ with an SSE error event (code anomaly_detected) that tells the client to retry.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -25,11 +24,12 @@ from collections.abc import Callable
 from aiohttp import web
 
 from shared.contracts.common import ErrorCode
-from shared.contracts.messages import AbortReason, FinishReason, TokenChunk
+from shared.contracts.messages import FinishReason, TokenChunk
 from shared.toolcalls import ToolCallStreamParser, parse_tool_calls
 
 from . import protocol as P
-from .dispatch import ClientGone, DecodeClient, Dispatch, Lost, chunk_error
+from .aborting import AbortOnExit
+from .dispatch import DecodeClient, Dispatch, Lost, chunk_error
 from .metrics import Metrics
 from .migrate import migrate
 from .protocol import OpenAIError
@@ -179,21 +179,10 @@ async def answer(request: web.Request, client: DecodeClient, d: Dispatch, prep: 
                  token_text: Callable[[int], str]) -> web.StreamResponse:
     deadline = arrival + client.request_timeout_s
     ans = Answer(prep, d, arrival, metrics, token_text, rid)
-    reason = AbortReason.CLIENT.value
-    try:
+    async with AbortOnExit(client, metrics, [ans]):
         if prep.options.stream:
             return await _stream(request, client, ans, rid, deadline)
         return await _complete(request, client, ans, rid, deadline)
-    except OpenAIError as e:
-        reason = e.code or "error"
-        metrics.failures.inc(code=reason)
-        raise
-    except (ClientGone, ConnectionError, asyncio.CancelledError):
-        metrics.failures.inc(code="client_gone")
-        raise
-    finally:
-        await client.abort(ans.d, reason)     # no-op when decode finished it
-        client.release(ans.d)
 
 
 def _client_gone(request: web.Request) -> Callable[[], bool]:

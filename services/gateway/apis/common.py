@@ -10,7 +10,6 @@ failed) still gets an HTTP error status in the API's own error shape.
 """
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -22,8 +21,7 @@ from aiohttp import web
 from shared.contracts.messages import TokenChunk
 from shared.toolcalls import ToolCallStreamParser, parse_tool_calls
 
-from ..dispatch import ClientGone
-from ..protocol import OpenAIError
+from ..aborting import AbortOnExit
 from ..respond import SSE_HEADERS, Answer, next_chunk
 from ..validate import Prepared
 
@@ -122,19 +120,8 @@ async def run(gw: Gateway, request: web.Request, parse: Callable[[bytes, Any], J
                                    p.options.force_path, gw.cache_salt(request, p))
         gw.metrics.placements.inc(placement=d.path.value)
         ans = Answer(p, d, arrival, gw.metrics, gw.token_text, rid)
-        reason = "client"
-        try:
+        async with AbortOnExit(gw.client, gw.metrics, [ans]):
             return await respond(Turn(gw, request, ans, job, rid))
-        except OpenAIError as e:
-            reason = e.code or "error"
-            gw.metrics.failures.inc(code=reason)
-            raise
-        except (ClientGone, ConnectionError, asyncio.CancelledError):
-            gw.metrics.failures.inc(code="client_gone")
-            raise
-        finally:
-            await gw.client.abort(ans.d, reason)      # no-op when decode finished it
-            gw.client.release(ans.d)
     finally:
         gw.in_flight -= 1
 
