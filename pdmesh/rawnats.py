@@ -23,12 +23,16 @@ def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-async def responder_main(subject: str, nats_url: str) -> int:
-    """A plain responder: reply to every request at once; exit when stdin closes."""
+async def responder_main(subject: str, nats_url: str, auth=None) -> int:
+    """A plain responder: reply to every request at once; exit when stdin closes. With
+    `auth` (a shared.natsconn.NatsAuth) it connects as that user."""
     import nats
 
+    from shared.natsconn import connect_kwargs
+
     ack = b'{"applied":true}'
-    nc = await nats.connect(nats_url, pending_size=64 << 20)
+    opts = connect_kwargs(nats_url, auth) if auth is not None else {"servers": nats_url}
+    nc = await nats.connect(**opts, pending_size=64 << 20)
 
     async def on_msg(msg) -> None:
         await msg.respond(ack)

@@ -27,7 +27,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import aiohttp
@@ -38,9 +37,9 @@ sys.path.insert(0, str(ROOT))
 
 from pdmesh.cluster import Cluster  # noqa: E402
 from pdmesh.loadgen import completion_body, run_level  # noqa: E402
-from pdmesh.rawnats import raw_run  # noqa: E402
+from pdmesh.rawnats import log, raw_run, responder_main  # noqa: E402
 from shared import micro, subjects  # noqa: E402
-from shared.natsconn import NatsAuth, connect_kwargs  # noqa: E402
+from shared.natsconn import NatsAuth  # noqa: E402
 
 MODES = {"off": {}, "auth": {"nats_auth": True},
          "auth+tls": {"nats_auth": True, "nats_tls": True}}
@@ -49,24 +48,7 @@ WINDOW = 8
 PROMPT = ("def fibonacci(n):\n    '''Return the n-th Fibonacci number.'''\n" * 24)
 
 
-def log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
 # ---- the KV responder: answers as the decode user, in its own process -------------------
-async def responder_main(subject: str, url: str) -> int:
-    nc = await nats.connect(**connect_kwargs(url, NatsAuth.from_env()), pending_size=64 << 20)
-
-    async def on_msg(msg) -> None:
-        await msg.respond(b'{"applied":true}')
-    await nc.subscribe(subject, cb=on_msg, pending_bytes_limit=256 << 20)
-    await nc.flush()
-    print("ready", flush=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
-    await nc.close()
-    return 0
-
-
 class Responder:
     def __init__(self, c: Cluster, subject: str):
         env = {k: v for k, v in os.environ.items() if not k.startswith("PDMESH_NATS_")}
@@ -238,7 +220,7 @@ async def main(args) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--responder"]:
-        sys.exit(asyncio.run(responder_main(sys.argv[2], sys.argv[3])))
+        sys.exit(asyncio.run(responder_main(sys.argv[2], sys.argv[3], NatsAuth.from_env())))
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=str(ROOT / "models" / "tiny-target"))
     ap.add_argument("--rounds", type=int, default=7)
