@@ -31,20 +31,14 @@ from dataclasses import asdict, dataclass, replace
 
 from shared import micro
 
+from .bench import PROMPTS as BENCH_PROMPTS
 from .chaos_mesh import DET, SHAPES, cluster, healthy, quiesce, wait_writing
 from .chaos_report import Tally, headline, partial, point, result
 
 __all__ = ["GUARDS", "HAZARD", "ChaosConfig", "Tally", "arun", "hazard", "headline", "run",
            "with_guards"]
 
-PROMPTS = [
-    "def fibonacci(n):", "import os\n\ndef main():", "class Stack:\n    def __init__(self):",
-    "for i in range(10):", "def read_file(path):\n    with open(path) as f:",
-    "# Sort a list of numbers\n", "def is_prime(n):\n    if n < 2:", "try:\n    import json",
-    "def __repr__(self):", "while True:\n    line = input()", "x = [i * i for i in",
-    "def parse_args(argv):", "if __name__ == '__main__':", "from collections import",
-    "def add(a, b):\n    return", "async def fetch(url):", "The capital of France is",
-]
+PROMPTS = [*BENCH_PROMPTS, "The capital of France is"]     # pdmesh bench's, and one
 # name -> (reclaim_ack, epoch_fence)
 GUARDS = {"both": (True, True), "fence_only": (False, True), "ack_only": (True, False),
           "none": (False, False)}
