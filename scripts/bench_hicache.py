@@ -18,40 +18,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import json
-import random
 import statistics
 import sys
-import time
 from pathlib import Path
-
-import aiohttp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from pdmesh.agentload import run_turns  # noqa: E402
 from pdmesh.cluster import Cluster  # noqa: E402
 from shared import micro  # noqa: E402
 from shared.engine.tokenizer import Tokenizer  # noqa: E402
 
-url_model = [""]
 CONFIGS = {
     "off": dict(l1=False, kvstore=False),
     "l1": dict(l1=True, kvstore=False),
     "l1+l2+l3": dict(l1=True, kvstore=True),
 }
-
-
-def corpus(tok) -> list[int]:
-    import argparse as a
-    import asyncio as b
-    import json as c
-    import logging as d
-    import pathlib as e
-    import shlex as f
-    import textwrap as g
-    return tok.encode("\n".join(inspect.getsource(m) for m in (a, b, c, d, e, f, g)))
 
 
 def mesh(model: str, l1: bool, kvstore: bool, pool_mb: int) -> Cluster:
@@ -62,62 +46,12 @@ def mesh(model: str, l1: bool, kvstore: bool, pool_mb: int) -> Cluster:
                    overrides=ov, echo=False)
 
 
-async def ask(http, url: str, prompt: list[int], max_tokens: int) -> dict:
-    body = {"model": Path(url_model[0]).name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "return_token_ids": True,
-            "stream_options": {"include_usage": True}, "pdmesh_path": "pd"}
-    t0 = time.perf_counter()
-    ttft, toks, usage = None, [], {}
-    async with http.post(url + "/v1/completions", json=body) as r:
-        assert r.status == 200, await r.text()
-        async for raw in r.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ch = json.loads(line[6:])
-            for c in ch.get("choices", []):
-                if c.get("token_ids") and ttft is None:
-                    ttft = time.perf_counter() - t0
-                toks += c.get("token_ids") or []
-            usage = ch.get("usage") or usage
-    return {"ttft_s": ttft, "tokens": toks, "prompt_tokens": len(prompt),
-            "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]}
-
-
 async def stats(nats_url: str, service: str) -> dict:
     """The first answering instance's $SRV.STATS data (one instance per service here)."""
     found = await micro.service_stats(nats_url, service, wait_s=2, expect=1)
     if not found:
         raise RuntimeError(f"no {service} instance answered $SRV.STATS")
     return found[0]
-
-
-async def run(args, meshes: dict[str, Cluster], tok) -> dict:
-    rng = random.Random(0)
-    text = corpus(tok)
-    # each session: a start context, then per turn a new tool output appended
-    sessions = []
-    for _ in range(args.sessions):
-        i = rng.randrange(0, len(text) - 20000)
-        sessions.append({"prompt": text[i:i + args.start_tokens], "pos": i + args.start_tokens})
-    res = {name: [[None] * args.turns for _ in sessions] for name in meshes}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(600)) as http:
-        for turn in range(args.turns):
-            for si, s in enumerate(sessions):
-                answers = {}
-                for name, m in meshes.items():
-                    r = await ask(http, m.url, s["prompt"], args.max_tokens)
-                    res[name][si][turn] = {k: r[k] for k in ("ttft_s", "prompt_tokens", "cached_tokens")}
-                    answers[name] = r["tokens"]
-                print(f"turn {turn + 1}/{args.turns} session {si + 1}/{len(sessions)} "
-                      f"prompt {len(s['prompt'])}: " + "  ".join(
-                          f"{n} {res[n][si][turn]['ttft_s'] * 1e3:.0f} ms "
-                          f"({res[n][si][turn]['cached_tokens']} cached)" for n in meshes),
-                      flush=True)
-                tool = text[s["pos"]:s["pos"] + args.append_tokens]
-                s["pos"] += args.append_tokens
-                s["prompt"] = s["prompt"] + answers["off"] + tool
-    return res
 
 
 def summarize(res: dict, turns: int) -> dict:
@@ -200,13 +134,12 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench"))
     args = ap.parse_args()
     tok = Tokenizer.from_pretrained(args.model)
-    url_model[0] = args.model
     meshes = {}
     try:
         for name, c in CONFIGS.items():
             print(f"starting mesh '{name}' ...", flush=True)
             meshes[name] = mesh(args.model, c["l1"], c["kvstore"], args.pool_mb).start()
-        res = asyncio.run(run(args, meshes, tok))
+        res, _ = asyncio.run(run_turns(args, meshes, tok, follow="off"))
         timeline = asyncio.run(stats(meshes["l1+l2+l3"].nats_url, "prefill")).get("last_load")
         kv = asyncio.run(stats(meshes["l1+l2+l3"].nats_url, "kvstore"))
     finally:

@@ -22,20 +22,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import aiohttp
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
-import bench_hicache  # noqa: E402, I001
-from bench_hicache import ask, corpus  # noqa: E402
+from pdmesh.agentload import run_turns  # noqa: E402
 from pdmesh.cluster import Cluster  # noqa: E402
 from shared import micro  # noqa: E402
 from shared.engine.loader import load_config  # noqa: E402
@@ -64,36 +59,6 @@ async def wait_groups(meshes: dict[str, Cluster], timeout: float = 60.0) -> None
             if time.monotonic() > deadline:
                 raise RuntimeError("group did not form")
             await asyncio.sleep(0.5)
-
-
-async def run(args, meshes: dict[str, Cluster], tok) -> dict:
-    rng = random.Random(0)
-    text = corpus(tok)
-    sessions = []
-    for _ in range(args.sessions):
-        i = rng.randrange(0, len(text) - 20000)
-        sessions.append({"prompt": text[i:i + args.start_tokens], "pos": i + args.start_tokens})
-    res = {name: [[None] * args.turns for _ in sessions] for name in meshes}
-    working = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(600)) as http:
-        for turn in range(args.turns):
-            working.append(sum(len(s["prompt"]) for s in sessions))
-            for si, s in enumerate(sessions):
-                answers = {}
-                for name, m in meshes.items():
-                    r = await ask(http, m.url, s["prompt"], args.max_tokens)
-                    res[name][si][turn] = {k: r[k] for k in ("ttft_s", "prompt_tokens",
-                                                             "cached_tokens")}
-                    answers[name] = r["tokens"]
-                print(f"turn {turn + 1}/{args.turns} session {si + 1}/{len(sessions)} "
-                      f"prompt {len(s['prompt'])}: " + "  ".join(
-                          f"{n} {res[n][si][turn]['ttft_s'] * 1e3:.0f} ms "
-                          f"({res[n][si][turn]['cached_tokens']} cached)" for n in meshes),
-                      flush=True)
-                tool = text[s["pos"]:s["pos"] + args.append_tokens]
-                s["pos"] += args.append_tokens
-                s["prompt"] = s["prompt"] + answers["independent"] + tool
-    return {"results": res, "working_set_tokens": working}
 
 
 def summarize(res: dict, turns: int) -> dict:
@@ -195,7 +160,6 @@ def main() -> int:
     ap.add_argument("--pool-mb", type=int, default=24, help="engine KV pool per service")
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench"))
     args = ap.parse_args()
-    bench_hicache.url_model[0] = args.model
     tok = Tokenizer.from_pretrained(args.model)
     meshes = {"independent": mesh(args.model, False, args.cache_mb, args.pool_mb),
               "layersplit": mesh(args.model, True, args.cache_mb, args.pool_mb)}
@@ -205,7 +169,8 @@ def main() -> int:
 
         async def go():
             await wait_groups(meshes)
-            r = await run(args, meshes, tok)
+            res, working = await run_turns(args, meshes, tok, follow="independent")
+            r = {"results": res, "working_set_tokens": working}
             r["groups"] = {n: group_summary(await prefill_stats(m.nats_url))
                            for n, m in meshes.items()}
             return r
