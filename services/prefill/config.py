@@ -41,11 +41,10 @@ class PrefillConfig:
                 "only the handle, checksum and epochs); off: every byte over NATS"})
     kv_shm_mb: int = field(default=256, metadata={
         "help": "the shared-memory segment for same-host KV writes (/dev/shm)"})
-    kv_stream: bool = field(default=False, metadata={
-        "help": "EXPERIMENTAL layer-wise KV streaming: each layer's KV of each chunk goes to "
-                "decode as soon as it is computed (off: the whole prompt's KV after the "
-                "compute). Off by default: under client aborts (scripts/chaos.py) attempts "
-                "can hang with their job slots held"})
+    kv_stream: bool = field(default=True, metadata={
+        "help": "layer-wise KV streaming: each layer's KV of each chunk of a prompt longer "
+                "than one chunk goes to decode as soon as it is computed, while the later "
+                "layers compute (off: the whole prompt's KV after the compute)"})
     kvstore: bool = field(default=True, metadata={
         "help": "use kvstore (L2 host memory, L3 disk): prefix loads and write-back"})
     write_policy: str = field(default="write_through", metadata={
