@@ -370,11 +370,12 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
         if e.status < 400:
             raise
         resp = _error_response(request, _http_error(e, request))
-    except ClientGone:
-        # nobody reads this; answering keeps aiohttp from logging a traceback
+    except (ClientGone, ConnectionError):
+        # the client left (a ConnectionError: while its headers were being written);
+        # nobody reads this, and answering keeps aiohttp from logging a traceback
         resp = _error_response(request, OpenAIError(499, "client closed the connection",
                                                     code="client_gone"))
-    except (ConnectionError, asyncio.CancelledError):
+    except asyncio.CancelledError:
         counter.inc(path=route, status="499")
         raise
     except Exception:  # noqa: BLE001 - a bug here; the client still gets a JSON error

@@ -114,3 +114,26 @@ async def test_registered_with_nats_micro(client):
     nc = gw(client).runtime.nc
     reply = await nc.request("$SRV.INFO.gateway", b"", timeout=2)
     assert json.loads(reply.data)["metadata"]["instance_id"] == gw(client).cfg.instance_id
+
+
+async def test_a_client_gone_while_headers_are_written_is_not_a_server_error(
+        nats_url, spec, gateway_model_dir, caplog):
+    """A streaming client that leaves before its headers are written makes aiohttp raise
+    a ConnectionError from resp.prepare(): that is the client's doing, counted as 499,
+    and never an "Error handling request" traceback in the gateway's log (chaos runs
+    logged one every few seconds)."""
+    import logging
+
+    from aiohttp.client_exceptions import ClientConnectionResetError
+
+    async def headers_fail(request):
+        raise ClientConnectionResetError("Cannot write to closing transport")
+
+    cfg = GatewayConfig(model=str(gateway_model_dir), nats_url=nats_url)
+    app = create_app(cfg, spec)
+    app.router.add_get("/test-only/headers-fail", headers_fail)
+    caplog.set_level(logging.ERROR)
+    async with TestClient(TestServer(app)) as c:
+        resp = await c.get("/test-only/headers-fail")
+        assert (await error_of(resp, 499))["code"] == "client_gone"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
