@@ -7,9 +7,9 @@ from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 
 
-def det_engine(model, **kw) -> LLMEngine:
+def det_engine(model, device: str, **kw) -> LLMEngine:
     cfg = dict(model=str(model), num_blocks=512, block_size=16, deterministic=True,
-               max_num_seqs=16, max_num_batched_tokens=128, chunk_size=32)
+               max_num_seqs=16, max_num_batched_tokens=128, chunk_size=32, device=device)
     cfg.update(kw)
     return LLMEngine(EngineConfig(**cfg))
 
@@ -21,12 +21,12 @@ def params_for(i: int) -> SamplingParams:
                           max_tokens=8 + 3 * i, ignore_eos=True)
 
 
-def test_sixteen_staggered_requests_equal_alone(tiny_target, tiny_prompts):
+def test_sixteen_staggered_requests_equal_alone(tiny_target, tiny_prompts, device):
     prompts = [tiny_prompts[i] * (1 + i % 4) for i in range(16)]  # mixed lengths
-    alone = det_engine(tiny_target)
+    alone = det_engine(tiny_target, device)
     want = [alone.generate([p], params_for(i))[0]["token_ids"] for i, p in enumerate(prompts)]
 
-    eng = det_engine(tiny_target)
+    eng = det_engine(tiny_target, device)
     got = {f"r{i}": [] for i in range(16)}
     step = 0
     pending = list(range(16))
@@ -42,20 +42,21 @@ def test_sixteen_staggered_requests_equal_alone(tiny_target, tiny_prompts):
     assert eng.pool.num_used == 0
 
 
-def test_batching_throughput_mode_matches_greedy(tiny_target, tiny_prompts):
+def test_batching_throughput_mode_matches_greedy(tiny_target, tiny_prompts, device):
     """Default (non-deterministic) mode batches decode attention; greedy output on
     the tiny model still equals one-at-a-time."""
-    eng = LLMEngine(EngineConfig(model=str(tiny_target), num_blocks=512))
+    eng = LLMEngine(EngineConfig(model=str(tiny_target), num_blocks=512, device=device))
     p = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     together = eng.generate(tiny_prompts[:12], p)
     apart = [eng.generate([x], p)[0] for x in tiny_prompts[:12]]
     assert [r["token_ids"] for r in together] == [r["token_ids"] for r in apart]
 
 
-def test_pool_exhaustion_queues_then_completes(tiny_target, tiny_prompts):
+def test_pool_exhaustion_queues_then_completes(tiny_target, tiny_prompts, device):
     """A pool too small for everyone at once: requests wait (or are preempted and
     recomputed) instead of failing, and all complete with all blocks returned."""
-    eng = LLMEngine(EngineConfig(model=str(tiny_target), num_blocks=12, block_size=8))
+    eng = LLMEngine(EngineConfig(model=str(tiny_target), num_blocks=12, block_size=8,
+                                 device=device))
     p = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     res = eng.generate(tiny_prompts[:10], p)
     assert all(len(r["token_ids"]) == 20 for r in res)

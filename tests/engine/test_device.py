@@ -1,19 +1,15 @@
 """The engine on each device (EngineConfig.device): weights, KV pool and forward there,
 logits back on the host; the same greedy tokens as on the CPU, a prefix-cache hit and KV
 moved through the wire (pack from one pool, unpack into another) on the device too.
-CUDA cases skip without a GPU (scripts/device_check.sh runs them where there is one)."""
+`device` is tests/devices.py's fixture: CUDA cases skip without a GPU."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from shared.contracts.sampling import SamplingParams
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.kv import wire
-
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no CUDA device"))]
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +22,6 @@ def test_device_setting_is_checked():
         EngineConfig(model="x", device="tpu")
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("quantize", ["", "int8"])
 def test_engine_on_device_matches_cpu(tiny_target, tiny_prompts, cpu_engine, device, quantize):
     eng = LLMEngine(EngineConfig(model=str(tiny_target), num_blocks=256, device=device,
@@ -45,7 +40,6 @@ def test_engine_on_device_matches_cpu(tiny_target, tiny_prompts, cpu_engine, dev
     assert eng.stats()["prefix_hit_tokens"] > 0
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_kv_moves_between_pools_on_device(tiny_target, tiny_prompts, device):
     cfg = dict(model=str(tiny_target), num_blocks=64, device=device, deterministic=True,
                max_num_batched_tokens=64, chunk_size=32)

@@ -2,7 +2,8 @@
 
 Tolerance: logits in float32 agree with transformers' float32 eager forward to
 max |diff| <= 2e-4 (relative to logits of magnitude ~10: the two differ only in op
-order: fused QKV / gate-up GEMMs, paged gathers, SDPA vs eager attention).
+order: fused QKV / gate-up GEMMs, paged gathers, SDPA vs eager attention). transformers
+runs on the engine's device, so each device is compared with itself.
 """
 from __future__ import annotations
 
@@ -18,11 +19,17 @@ from .random_models import make_random_model
 LOGIT_ATOL = 2e-4
 
 
-def hf_model(path):
+def hf_model(path, device: str):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
-                                                attn_implementation="eager").eval()
+                                                attn_implementation="eager").eval().to(device)
+
+
+def hf_logits(ref, ids: list[int]) -> torch.Tensor:
+    """transformers' logits at every position, on the host (as the engine returns them)."""
+    with torch.no_grad():
+        return ref(torch.tensor([ids], device=ref.device)).logits[0].cpu()
 
 
 def engine_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
@@ -59,42 +66,45 @@ def llama_random(tmp_path_factory):
 
 
 @pytest.mark.parametrize("which", ["qwen2_random", "llama_random"])
-def test_logits_match_transformers_random_configs(which, request):
+def test_logits_match_transformers_random_configs(which, request, device):
     path = request.getfixturevalue(which)
-    ref = hf_model(path)
-    eng = LLMEngine(EngineConfig(model=str(path), num_blocks=64, block_size=8), tokenizer=None)
+    ref = hf_model(path, device)
+    eng = LLMEngine(EngineConfig(model=str(path), num_blocks=64, block_size=8, device=device),
+                    tokenizer=None)
     for ids in prompts_for(ref.config.vocab_size, 4):
-        want = ref(torch.tensor([ids])).logits[0]
+        want = hf_logits(ref, ids)
         got = engine_logits(eng, ids)
         assert (got - want).abs().max().item() <= LOGIT_ATOL
 
 
-def test_logits_match_transformers_tiny_target(tiny_target):
-    ref = hf_model(tiny_target)
-    eng = LLMEngine(EngineConfig(model=str(tiny_target), num_blocks=64), tokenizer=None)
+def test_logits_match_transformers_tiny_target(tiny_target, device):
+    ref = hf_model(tiny_target, device)
+    eng = LLMEngine(EngineConfig(model=str(tiny_target), num_blocks=64, device=device),
+                    tokenizer=None)
     for ids in prompts_for(ref.config.vocab_size, 4, seed=1):
         got = engine_logits(eng, ids)
-        assert (got - ref(torch.tensor([ids])).logits[0]).abs().max().item() <= LOGIT_ATOL
+        assert (got - hf_logits(ref, ids)).abs().max().item() <= LOGIT_ATOL
 
 
-def test_logits_match_transformers_smollm2(smollm2):
-    ref = hf_model(smollm2)
-    eng = LLMEngine(EngineConfig(model=str(smollm2), num_blocks=32), tokenizer=None)
-    ids = ref_ids = prompts_for(ref.config.vocab_size, 1, seed=2)[0]
-    want = ref(torch.tensor([ref_ids])).logits[0]
+def test_logits_match_transformers_smollm2(smollm2, device):
+    ref = hf_model(smollm2, device)
+    eng = LLMEngine(EngineConfig(model=str(smollm2), num_blocks=32, device=device),
+                    tokenizer=None)
+    ids = prompts_for(ref.config.vocab_size, 1, seed=2)[0]
+    want = hf_logits(ref, ids)
     got = engine_logits(eng, ids)
     assert (got - want).abs().max().item() <= 1e-3  # 30 layers: a little more drift
 
 
 def greedy_hf(ref, ids: list[int], max_new: int) -> list[int]:
-    out = ref.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False,
-                       eos_token_id=None, pad_token_id=0)
+    out = ref.generate(torch.tensor([ids], device=ref.device), max_new_tokens=max_new,
+                       do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(ids):].tolist()
 
 
-def test_greedy_generation_equals_transformers_generate(tiny_target, tiny_prompts):
-    ref = hf_model(tiny_target)
-    eng = LLMEngine(EngineConfig(model=str(tiny_target), num_blocks=256))
+def test_greedy_generation_equals_transformers_generate(tiny_target, tiny_prompts, device):
+    ref = hf_model(tiny_target, device)
+    eng = LLMEngine(EngineConfig(model=str(tiny_target), num_blocks=256, device=device))
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     got = eng.generate(tiny_prompts, params)
     for ids, g in zip(tiny_prompts, got):
@@ -102,10 +112,11 @@ def test_greedy_generation_equals_transformers_generate(tiny_target, tiny_prompt
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 16, 64])
-def test_chunked_prefill_equals_unchunked(tiny_target, tiny_prompts, chunk):
+def test_chunked_prefill_equals_unchunked(tiny_target, tiny_prompts, chunk, device):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    whole = LLMEngine(EngineConfig(model=str(tiny_target), num_blocks=256, chunk_size=256))
-    chunked = LLMEngine(EngineConfig(model=str(tiny_target), num_blocks=256, chunk_size=chunk))
+    cfg = dict(model=str(tiny_target), num_blocks=256, device=device)
+    whole = LLMEngine(EngineConfig(**cfg, chunk_size=256))
+    chunked = LLMEngine(EngineConfig(**cfg, chunk_size=chunk))
     a = whole.generate(tiny_prompts[:8], params)
     b = chunked.generate(tiny_prompts[:8], params)
     assert [x["token_ids"] for x in a] == [x["token_ids"] for x in b]

@@ -24,9 +24,9 @@ SHAPES = dict(dtype="float32", deterministic=True, threads=1, block_size=16, chu
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-def engine(model, **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model), **(SHAPES | {"num_blocks": 256} | kw)),
-                     tokenizer=None)
+def engine(model, device: str, **kw) -> LLMEngine:
+    cfg = SHAPES | {"num_blocks": 256, "device": device} | kw
+    return LLMEngine(EngineConfig(model=str(model), **cfg), tokenizer=None)
 
 
 def prompts(n: int, prefix_len: int = 200, seed: int = 0) -> list[list[int]]:
@@ -46,15 +46,15 @@ def run_one(eng: LLMEngine, rid: str, p: list[int], **kw) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_target):
-    ref = engine(tiny_target, prefix_cache=False)
+def reference(tiny_target, device):
+    ref = engine(tiny_target, device, prefix_cache=False)
     ps = prompts(20)
     return ps, [run_one(ref, f"r{i}", p)[0] for i, p in enumerate(ps)]
 
 
-def test_l1_hits_give_the_same_tokens(tiny_target, reference):
+def test_l1_hits_give_the_same_tokens(tiny_target, reference, device):
     ps, want = reference
-    eng = engine(tiny_target)
+    eng = engine(tiny_target, device)
     got = [run_one(eng, f"c{i}", p)[0] for i, p in enumerate(ps)]
     assert got == want
     st = eng.stats()
@@ -63,17 +63,17 @@ def test_l1_hits_give_the_same_tokens(tiny_target, reference):
     assert st["l1_hit_rate"] > 0.8
 
 
-def test_l1_eviction_under_a_tiny_pool(tiny_target, reference):
+def test_l1_eviction_under_a_tiny_pool(tiny_target, reference, device):
     ps, want = reference
-    eng = engine(tiny_target, num_blocks=20)       # one request's worth: cached blocks churn
+    eng = engine(tiny_target, device, num_blocks=20)       # one request's worth: cached blocks churn
     got = [run_one(eng, f"e{i}", p)[0] for i, p in enumerate(ps)]
     assert got == want
     assert eng.pool.evictions > 0 and eng.pool.num_free == eng.pool.num_blocks
 
 
-def _donor_kv(tiny_target, p):
+def _donor_kv(tiny_target, device, p):
     """KV of p's prefix, computed by another engine (what kvstore would hold)."""
-    donor = engine(tiny_target, prefix_cache=False)
+    donor = engine(tiny_target, device, prefix_cache=False)
     donor.add_request("d", p, GREEDY, prefill_only=True)
     while donor.has_unfinished:
         donor.step()
@@ -83,16 +83,17 @@ def _donor_kv(tiny_target, p):
 def _loader(eng, ld, donor_kv, donor_blocks, delay, rng):
     for layer in range(eng.kv.shape[0]):
         time.sleep(rng.uniform(0, delay))
-        src = donor_kv[layer, :, torch.tensor(donor_blocks[ld.first_block:ld.first_block + len(ld.blocks)])]
+        ids = donor_blocks[ld.first_block:ld.first_block + len(ld.blocks)]
+        src = donor_kv[layer, :, torch.tensor(ids, device=donor_kv.device)]
         eng.write_loaded_layer(ld, layer, src)
         ld.layer_done(layer)
 
 
-def _loaded_run(tiny_target, reference, guard: bool) -> int:
+def _loaded_run(tiny_target, device, reference, guard: bool) -> int:
     ps, want = reference
     rng = random.Random(1)
-    eng = engine(tiny_target, prefix_cache=False, load_guard=guard)
-    donor_kv, donor_blocks = _donor_kv(tiny_target, ps[0])
+    eng = engine(tiny_target, device, prefix_cache=False, load_guard=guard)
+    donor_kv, donor_blocks = _donor_kv(tiny_target, device, ps[0])
     wrong = 0
     for i, p in enumerate(ps):
         tier_blocks = 12           # the tier holds the shared prefix: 192 tokens
@@ -111,19 +112,19 @@ def _loaded_run(tiny_target, reference, guard: bool) -> int:
     return wrong
 
 
-def test_layer_loads_with_random_delays_give_the_same_tokens(tiny_target, reference):
-    assert _loaded_run(tiny_target, reference, guard=True) == 0
+def test_layer_loads_with_random_delays_give_the_same_tokens(tiny_target, reference, device):
+    assert _loaded_run(tiny_target, device, reference, guard=True) == 0
 
 
-def test_without_the_readiness_guard_outputs_go_wrong(tiny_target, reference):
+def test_without_the_readiness_guard_outputs_go_wrong(tiny_target, reference, device):
     """The same run with the guard off: compute reads layers that have not landed."""
-    wrong = _loaded_run(tiny_target, reference, guard=False)
+    wrong = _loaded_run(tiny_target, device, reference, guard=False)
     assert wrong >= 10, f"only {wrong} of 20 outputs wrong without the guard"
 
 
-def test_a_failed_load_is_recomputed(tiny_target, reference):
+def test_a_failed_load_is_recomputed(tiny_target, reference, device):
     ps, want = reference
-    eng = engine(tiny_target, prefix_cache=False)
+    eng = engine(tiny_target, device, prefix_cache=False)
     for i, p in enumerate(ps[:3]):
         load = eng.add_request(f"f{i}", p, GREEDY, tier_blocks=12)
         threading.Timer(0.01, load.fail, args=("checksum mismatch",)).start()

@@ -11,11 +11,7 @@ from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.quant import Int4Weight, Int8Weight, int4_codes, quantize_weight
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no CUDA device"))]
 
-
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", [Int8Weight, Int4Weight])
 def test_packed_matmul_equals_dequantized_matmul(kind, dtype, device):
@@ -33,7 +29,7 @@ def test_packed_matmul_equals_dequantized_matmul(kind, dtype, device):
     assert err < (0.05 if kind is Int4Weight else 0.005)
 
 
-def test_int4_recovers_a_q4_1_grid_exactly():
+def test_int4_recovers_a_q4_1_grid_exactly(device):
     """llama.cpp's Q4_1 stores w = q * d + m per group of 32 (q in 0..15): a weight on
     that grid (min and max attained, as Q4_1 quantizes) gets its codes back exactly, and
     scale d and zero m + 8d; the packed weight holds them (bfloat16 scales)."""
@@ -44,10 +40,10 @@ def test_int4_recovers_a_q4_1_grid_exactly():
     d = torch.rand(n, k // 32, 1) * 0.01 + 1e-3
     m = torch.randn(n, k // 32, 1) * 0.05
     w = (q * d + m).reshape(n, k)
-    codes, scale, zero = int4_codes(w)
+    codes, scale, zero = (t.cpu() for t in int4_codes(w.to(device)))
     assert torch.equal(codes, q.reshape(n, k).to(torch.int32))
     assert torch.allclose(scale, d, rtol=1e-5) and torch.allclose(zero, m + 8 * d, atol=1e-6)
-    got = Int4Weight(w).dequantize().float()
+    got = Int4Weight(w.to(device)).dequantize().float().cpu()
     assert torch.allclose(got, w, atol=2e-3)
 
 
@@ -63,9 +59,9 @@ def test_lm_head_stays_int8_under_int4():
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_quantized_engine_is_batch_invariant_and_close(tiny_target, tiny_prompts, mode):
+def test_quantized_engine_is_batch_invariant_and_close(tiny_target, tiny_prompts, mode, device):
     base = dict(model=str(tiny_target), num_blocks=256, deterministic=True, max_num_seqs=8,
-                max_num_batched_tokens=64, chunk_size=32)
+                max_num_batched_tokens=64, chunk_size=32, device=device)
     q = LLMEngine(EngineConfig(**base, quantize=mode))
     full = LLMEngine(EngineConfig(**base))
     assert q.model.weight_bytes < full.model.weight_bytes * (0.3 if mode == "int8" else 0.25)

@@ -16,9 +16,9 @@ from shared.kv import wire
 P = SamplingParams(temperature=0.0, max_tokens=4)
 
 
-def slots(model, fence: bool = True, **kw) -> KvSlots:
-    eng = LLMEngine(EngineConfig(model=str(model), num_blocks=8, block_size=16, **kw),
-                    tokenizer=None)
+def slots(model, device: str, fence: bool = True, **kw) -> KvSlots:
+    eng = LLMEngine(EngineConfig(model=str(model), num_blocks=8, block_size=16, device=device,
+                                 **kw), tokenizer=None)
     return KvSlots(eng, epoch_fence=fence)
 
 
@@ -30,8 +30,8 @@ def write(s: KvSlots, blocks: list[int], epochs: list[int]) -> KvWrite:
                    dtype=wire.dtype_name(kv.dtype), shape=shape, checksum=0, seq=0, sender="p")
 
 
-def test_fence_refuses_a_write_whose_blocks_moved_on(tiny_target):
-    s = slots(tiny_target)
+def test_fence_refuses_a_write_whose_blocks_moved_on(tiny_target, device):
+    s = slots(tiny_target, device)
     a = s.reserve("a", list(range(20)), P)
     assert s.write(write(s, a.dest, a.epochs), _zeros(s, a.dest))
     s.drop("a", keep_blocks=False)
@@ -42,16 +42,16 @@ def test_fence_refuses_a_write_whose_blocks_moved_on(tiny_target):
     assert not s.write(write(s, [99], [1]), _zeros(s, [0]))      # not a block of this pool
 
 
-def test_fence_switched_off_lets_every_write_land(tiny_target):
-    s = slots(tiny_target, fence=False)
+def test_fence_switched_off_lets_every_write_land(tiny_target, device):
+    s = slots(tiny_target, device, fence=False)
     a = s.reserve("a", list(range(20)), P)
     s.drop("a", keep_blocks=False)
     s.reserve("b", list(range(20)) * 6, P)
     assert s.write(write(s, a.dest, a.epochs), _zeros(s, a.dest))   # TEST ONLY: unfenced
 
 
-def test_kept_blocks_are_never_handed_out_until_released(tiny_target):
-    s = slots(tiny_target)
+def test_kept_blocks_are_never_handed_out_until_released(tiny_target, device):
+    s = slots(tiny_target, device)
     a = s.reserve("a", list(range(60)), P)                     # 4 of 8 blocks
     s.drop("a", keep_blocks=True)
     assert s.engine.pool.num_free == 4 and "a" not in s.engine.requests
@@ -62,8 +62,8 @@ def test_kept_blocks_are_never_handed_out_until_released(tiny_target):
     assert s.engine.pool.num_used == 0
 
 
-def test_fallback_can_keep_the_reserved_blocks_out_of_the_pool(tiny_target):
-    s = slots(tiny_target)
+def test_fallback_can_keep_the_reserved_blocks_out_of_the_pool(tiny_target, device):
+    s = slots(tiny_target, device)
     a = s.reserve("a", list(range(20)), P)
     s.fallback("a", keep_blocks=True)
     while s.engine.has_unfinished:
@@ -73,17 +73,17 @@ def test_fallback_can_keep_the_reserved_blocks_out_of_the_pool(tiny_target):
     assert s.engine.pool.num_used == 0
 
 
-def test_start_seals_the_blocks_against_late_writes(tiny_target):
-    s = slots(tiny_target)
+def test_start_seals_the_blocks_against_late_writes(tiny_target, device):
+    s = slots(tiny_target, device)
     a = s.reserve("a", list(range(20)), P)
     s.start("a", 5)
     assert not s.write(write(s, a.dest, a.epochs), _zeros(s, a.dest))
 
 
-def test_first_token_outside_the_grammar_is_refused_not_guessed(tiny_target):
+def test_first_token_outside_the_grammar_is_refused_not_guessed(tiny_target, device):
     """Prefill sampled a first token decode's grammar forbids (a dropped constraint):
     start raises ReplayError and the request is gone — never decoded on."""
-    eng = LLMEngine(EngineConfig(model=str(tiny_target), num_blocks=64))
+    eng = LLMEngine(EngineConfig(model=str(tiny_target), num_blocks=64, device=device))
     s = KvSlots(eng)
     c = Constraint(kind=ConstraintKind.JSON_SCHEMA, json_schema='{"type":"object"}')
     s.reserve("r", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=8), c)

@@ -27,12 +27,13 @@ def test_seeded_draw_depends_only_on_seed_and_position():
     assert len(draws) > 5  # positions give different streams
 
 
-def test_seeded_sampling_reproducible_across_batch_compositions(tiny_target, tiny_prompts):
+def test_seeded_sampling_reproducible_across_batch_compositions(tiny_target, tiny_prompts,
+                                                                 device):
     p = SamplingParams(temperature=1.0, top_p=0.9, seed=42, max_tokens=24, ignore_eos=True)
-    alone = det_engine(tiny_target).generate([tiny_prompts[0]], p)[0]["token_ids"]
+    alone = det_engine(tiny_target, device).generate([tiny_prompts[0]], p)[0]["token_ids"]
     others = [SamplingParams(temperature=0.7, seed=i, max_tokens=5 + i, ignore_eos=True)
               for i in range(7)]
-    eng = det_engine(tiny_target)
+    eng = det_engine(tiny_target, device)
     mixed = eng.generate(tiny_prompts[1:8] + [tiny_prompts[0]], others + [p])
     assert mixed[-1]["token_ids"] == alone
 
@@ -67,10 +68,10 @@ def test_processors():
     assert abs(lp.logprob - float(torch.log_softmax(logits[0], -1)[top])) < 1e-6
 
 
-def test_stop_string_split_across_tokens(tiny_target, tiny_tokenizer, tiny_prompts):
+def test_stop_string_split_across_tokens(tiny_target, tiny_tokenizer, tiny_prompts, device):
     """The stop string straddles a token boundary (2 chars of token k, 2 of token k+1):
     the text is cut exactly where it starts, although token k+1 was generated whole."""
-    eng = LLMEngine(EngineConfig(model=str(tiny_target), num_blocks=256))
+    eng = LLMEngine(EngineConfig(model=str(tiny_target), num_blocks=256, device=device))
     base = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     for prompt in tiny_prompts:
         full = eng.generate([prompt], base)[0]
@@ -96,8 +97,8 @@ def test_stop_string_split_across_tokens(tiny_target, tiny_tokenizer, tiny_promp
     raise AssertionError("no generation had a token boundary to test")
 
 
-def test_max_tokens_and_min_tokens(tiny_target, tiny_prompts, tiny_tokenizer):
-    eng = LLMEngine(EngineConfig(model=str(tiny_target), num_blocks=256))
+def test_max_tokens_and_min_tokens(tiny_target, tiny_prompts, tiny_tokenizer, device):
+    eng = LLMEngine(EngineConfig(model=str(tiny_target), num_blocks=256, device=device))
     r = eng.generate([tiny_prompts[0]], SamplingParams(temperature=0.0, max_tokens=5))[0]
     assert len(r["token_ids"]) <= 5
     eos = next(iter(tiny_tokenizer.eos_token_ids))

@@ -63,8 +63,8 @@ def test_prompt_steps_do_not_count():
     assert all(a.n == 0 for arms in ad.arms.values() for a in arms)
 
 
-def test_engine_adapts_and_greedy_output_stays(tiny_target, tiny_draft, tiny_prompts):
-    base = dict(model=str(tiny_target), num_blocks=512, max_num_seqs=8, threads=1)
+def test_engine_adapts_and_greedy_output_stays(tiny_target, tiny_draft, tiny_prompts, device):
+    base = dict(model=str(tiny_target), num_blocks=512, max_num_seqs=8, threads=1, device=device)
     plain = LLMEngine(EngineConfig(**base))
     spec = LLMEngine(EngineConfig(**base, draft_model=str(tiny_draft), num_speculative_tokens=3))
     assert spec.spec.adapt is not None

@@ -30,8 +30,8 @@ CHAT = ["Please look up the weather with city Paris and units metric.",
 CHI2_CRIT_001_DF6 = 22.458     # chi-square at p = 0.001, 6 degrees of freedom
 
 
-def engine(model, draft=None, k=4, **kw) -> LLMEngine:
-    cfg = DET | kw
+def engine(model, device: str, draft=None, k=4, **kw) -> LLMEngine:
+    cfg = DET | {"device": device} | kw
     if draft is not None:
         cfg |= dict(draft_model=str(draft), num_speculative_tokens=k)
     return LLMEngine(EngineConfig(model=str(model), **cfg))
@@ -83,16 +83,17 @@ def greedy(i: int, **kw) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def plain(tiny_target, prompts) -> list[dict]:
-    return run(engine(tiny_target), prompts, [greedy(i) for i in range(len(prompts))])
+def plain(tiny_target, prompts, device) -> list[dict]:
+    return run(engine(tiny_target, device), prompts, [greedy(i) for i in range(len(prompts))])
 
 
 # greedy: token for token
 
 @pytest.mark.parametrize("k", [1, 4])
 @pytest.mark.parametrize("together", [True, False], ids=["batch", "alone"])
-def test_greedy_equals_plain_decoding(tiny_target, tiny_draft, prompts, plain, k, together):
-    eng = engine(tiny_target, tiny_draft, k=k)
+def test_greedy_equals_plain_decoding(tiny_target, tiny_draft, prompts, plain, k, together,
+                                      device):
+    eng = engine(tiny_target, device, tiny_draft, k=k)
     params = [greedy(i) for i in range(len(prompts))]
     if together:
         got = run(eng, prompts, params, stagger=True)
@@ -107,7 +108,7 @@ def test_greedy_equals_plain_decoding(tiny_target, tiny_draft, prompts, plain, k
 
 
 def test_drafts_are_the_draft_models_own_greedy_continuation(tiny_target, tiny_draft, prompts,
-                                                             monkeypatch):
+                                                             monkeypatch, device):
     """The draft's KV bookkeeping (catch-up, accepted/rejected drafts, shared prompt
     blocks) is right: every step's drafts equal what the draft model, run on its own over
     the same context, generates greedily."""
@@ -119,22 +120,23 @@ def test_drafts_are_the_draft_models_own_greedy_continuation(tiny_target, tiny_d
         seen.extend((s.seq.prompt_ids + s.seq.output_ids, s.drafts) for s in batch if s.drafts)
     monkeypatch.setattr(runner_mod.SpecRunner, "propose", recording)
     p = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    run(engine(tiny_target, tiny_draft), prompts + prompts[-2:], p, stagger=True)   # + L1 hits
-    alone = engine(tiny_draft, quantize=EngineConfig(model="x").draft_quant)   # as drafting
+    again = prompts[-2:]                                                # L1 hits
+    run(engine(tiny_target, device, tiny_draft), prompts + again, p, stagger=True)
+    alone = engine(tiny_draft, device, quantize=EngineConfig(model="x").draft_quant)   # as drafting
     want = [alone.generate([ctx], SamplingParams(temperature=0.0, max_tokens=len(d),
                                                  ignore_eos=True))[0]["token_ids"]
             for ctx, d in seen]
     assert len(seen) > 100 and [d for _, d in seen] == want
 
 
-def test_prefix_cache_hits_change_nothing(tiny_target, tiny_draft):
+def test_prefix_cache_hits_change_nothing(tiny_target, tiny_draft, device):
     rng = random.Random(1)
     shared = [rng.randrange(10, 8000) for _ in range(70)]      # two whole 32-token chunks
     ps = [shared + [rng.randrange(10, 8000) for _ in range(rng.randrange(3, 20))]
           for _ in range(6)]
     p = SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True)
-    want = tokens(run(engine(tiny_target, prefix_cache=False), ps, p))
-    eng = engine(tiny_target, tiny_draft)
+    want = tokens(run(engine(tiny_target, device, prefix_cache=False), ps, p))
+    eng = engine(tiny_target, device, tiny_draft)
     first = run(eng, ps[:1], p)          # its prompt blocks enter the cache
     rest = run(eng, ps[1:], p)           # these share them (target KV only) while drafting
     assert tokens(first + rest) == want
@@ -142,7 +144,7 @@ def test_prefix_cache_hits_change_nothing(tiny_target, tiny_draft):
 
 
 def test_stop_strings_cut_inside_a_step_and_max_tokens_holds(tiny_target, tiny_draft, prompts,
-                                                             plain, monkeypatch):
+                                                             plain, monkeypatch, device):
     """Stop strings and stop token ids taken from the middle of the plain outputs;
     max_tokens 1..6 elsewhere."""
     params = []
@@ -153,7 +155,7 @@ def test_stop_strings_cut_inside_a_step_and_max_tokens_holds(tiny_target, tiny_d
             params.append(greedy(i, max_tokens=40, stop=(r["text"][8:11],)))
         else:
             params.append(greedy(i, max_tokens=1 + i % 6, ignore_eos=True))
-    want = run(engine(tiny_target), prompts, params)
+    want = run(engine(tiny_target, device), prompts, params)
     assert sum(isinstance(r["finish"][1], str) for r in want) >= 8    # stopped by a string
     assert sum(isinstance(r["finish"][1], int) for r in want) >= 3    # by a stop token
     # record steps whose verified tokens were not all appended: the request ended inside
@@ -172,19 +174,19 @@ def test_stop_strings_cut_inside_a_step_and_max_tokens_holds(tiny_target, tiny_d
         return out
     monkeypatch.setattr(runner_mod, "verify", recording_verify)
     monkeypatch.setattr(runner_mod.SpecRunner, "verify", recording_method)
-    got = run(engine(tiny_target, tiny_draft), prompts, params, stagger=True)
+    got = run(engine(tiny_target, device, tiny_draft), prompts, params, stagger=True)
     assert [(r["token_ids"], r["text"], r["finish"]) for r in got] == \
         [(r["token_ids"], r["text"], r["finish"]) for r in want]
     assert "stop" in cut
     assert all(len(r["token_ids"]) <= p.max_tokens for r, p in zip(got, params))
 
 
-def test_remote_prefill_then_speculative_decode(tiny_target, tiny_draft, prompts, plain):
+def test_remote_prefill_then_speculative_decode(tiny_target, tiny_draft, prompts, plain, device):
     """Prompt KV written into reserved blocks (as a prefill worker would), then decode:
     the draft prefills the prompt itself; output equals colocated plain decoding."""
     idx = [0, 5, 12, 15, 19, 21]          # code, chat and random (the 150-token one too)
-    worker = engine(tiny_target)          # plays the prefill worker
-    eng = engine(tiny_target, tiny_draft)
+    worker = engine(tiny_target, device)          # plays the prefill worker
+    eng = engine(tiny_target, device, tiny_draft)
     first = {}
     for i in idx:
         rid = f"q{i}"
@@ -205,14 +207,14 @@ def test_remote_prefill_then_speculative_decode(tiny_target, tiny_draft, prompts
     assert eng.stats()["spec_steps"] > 0 and eng.pool.num_used == 0
 
 
-def test_logprobs_are_those_of_plain_decoding(tiny_target, tiny_draft, prompts):
+def test_logprobs_are_those_of_plain_decoding(tiny_target, tiny_draft, prompts, device):
     """One per emitted token, bit for bit the plain engine's: each verification row is
     computed exactly as a decode step computes it (one chunk-shaped attention call over
     the k+1 rows would already change the floats)."""
     ps = prompts[:6] + prompts[12:16]
     params = [greedy(i, logprobs=3) for i in range(len(ps))]
-    want = run(engine(tiny_target), ps, params)
-    got = run(engine(tiny_target, tiny_draft), ps, params)
+    want = run(engine(tiny_target, device), ps, params)
+    got = run(engine(tiny_target, device, tiny_draft), ps, params)
     for w, g in zip(want, got):
         lps = [lp for o in g["outs"] for lp in o.logprobs]
         assert len(lps) == len(g["token_ids"])
@@ -221,7 +223,7 @@ def test_logprobs_are_those_of_plain_decoding(tiny_target, tiny_draft, prompts):
 
 @pytest.mark.parametrize("kind", ["json_schema", "tools_required"])
 def test_constrained_output_is_valid_and_equals_plain(tiny_target, tiny_draft, tiny_tokenizer,
-                                                      kind):
+                                                      kind, device):
     if kind == "json_schema":
         c, tools = Constraint(kind=K.JSON_SCHEMA, json_schema=json.dumps(WEATHER)), None
     else:
@@ -229,8 +231,8 @@ def test_constrained_output_is_valid_and_equals_plain(tiny_target, tiny_draft, t
     ps = [tiny_tokenizer.encode_chat([{"role": "user", "content": m}], tools=tools)
           for m in CHAT[:4]]
     p = SamplingParams(temperature=0.0, max_tokens=80)
-    want = run(engine(tiny_target), ps, p, constraints=[c] * len(ps))
-    eng = engine(tiny_target, tiny_draft)
+    want = run(engine(tiny_target, device), ps, p, constraints=[c] * len(ps))
+    eng = engine(tiny_target, device, tiny_draft)
     got = run(eng, ps, p, constraints=[c] * len(ps))
     assert tokens(got) == tokens(want)
     assert eng.stats()["spec_steps"] > 0
@@ -244,11 +246,12 @@ def test_constrained_output_is_valid_and_equals_plain(tiny_target, tiny_draft, t
                                  for x in calls)
 
 
-def test_sampled_constrained_output_is_valid_and_repeats(tiny_target, tiny_draft, tiny_tokenizer):
+def test_sampled_constrained_output_is_valid_and_repeats(tiny_target, tiny_draft, tiny_tokenizer,
+                                                         device):
     c = Constraint(kind=K.JSON_SCHEMA, json_schema=json.dumps(WEATHER))
     ps = [tiny_tokenizer.encode_chat([{"role": "user", "content": m}]) for m in CHAT]
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=120) for i in range(len(ps))]
-    eng = engine(tiny_target, tiny_draft)
+    eng = engine(tiny_target, device, tiny_draft)
     got = run(eng, ps, params, constraints=[c] * len(ps))
     for r in got:
         assert r["finish"][0] == "stop"
@@ -258,11 +261,11 @@ def test_sampled_constrained_output_is_valid_and_repeats(tiny_target, tiny_draft
 
 
 def test_a_failed_load_in_the_batch_voids_the_speculative_step(tiny_target, tiny_draft, prompts,
-                                                                plain):
+                                                                plain, device):
     """A step whose forward fails (a lower-tier load broke) counts for no one: the
     speculating neighbour drafts again and still gives the plain tokens."""
     i = 12
-    eng = engine(tiny_target, tiny_draft)
+    eng = engine(tiny_target, device, tiny_draft)
     eng.add_request("q", prompts[i], greedy(i))
     got = [t for _ in range(3) for o in eng.step() for t in o.new_token_ids]
     load = eng.add_request("b", list(range(100, 180)), greedy(0, max_tokens=2), tier_blocks=4)
@@ -273,15 +276,15 @@ def test_a_failed_load_in_the_batch_voids_the_speculative_step(tiny_target, tiny
     assert got == plain[i]["token_ids"]
 
 
-def test_preemption_recomputes_draft_and_target(tiny_target, tiny_draft, prompts):
+def test_preemption_recomputes_draft_and_target(tiny_target, tiny_draft, prompts, device):
     """A pool too small for everyone (non-deterministic mode preempts): every request
     completes with the plain engine's tokens and every block comes back."""
     small = dict(deterministic=False, num_blocks=14, block_size=8, max_num_batched_tokens=256,
                  chunk_size=256)
     p = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     ps = prompts[:10]
-    want = tokens(run(engine(tiny_target, deterministic=False), ps, p))
-    eng = engine(tiny_target, tiny_draft, **small)
+    want = tokens(run(engine(tiny_target, device, deterministic=False), ps, p))
+    eng = engine(tiny_target, device, tiny_draft, **small)
     preempt, n = eng.scheduler.preempt, [0]
 
     def counting(seq):
@@ -310,13 +313,14 @@ def homogeneity(a: Counter, b: Counter, top: int) -> tuple[float, list[list[int]
     return stat, rows
 
 
-def test_sampled_tokens_follow_the_plain_distribution(tiny_target, tiny_draft, tiny_tokenizer):
+def test_sampled_tokens_follow_the_plain_distribution(tiny_target, tiny_draft, tiny_tokenizer,
+                                                       device):
     """Token 3 of 400 seeded samples (drafted at k=4 after the first token) against 400
     plain samples with other seeds: chi-square homogeneity over the top 6 tokens + rest."""
     prompt = tiny_tokenizer.encode_chat([{"role": "user", "content": CHAT[3]}])
     fast = dict(deterministic=False, max_num_seqs=64, max_num_batched_tokens=512, chunk_size=256)
-    plain_counts = third_tokens(engine(tiny_target, **fast), prompt, range(10_000, 10_400))
-    eng = engine(tiny_target, tiny_draft, **fast)
+    plain_counts = third_tokens(engine(tiny_target, device, **fast), prompt, range(10_000, 10_400))
+    eng = engine(tiny_target, device, tiny_draft, **fast)
     spec_counts = third_tokens(eng, prompt, range(400))
     st = eng.stats()
     assert 0 < st["spec_accepted"] < st["spec_proposed"]      # both accepts and rejections
@@ -325,23 +329,24 @@ def test_sampled_tokens_follow_the_plain_distribution(tiny_target, tiny_draft, t
     assert stat < CHI2_CRIT_001_DF6, (stat, rows)
 
 
-def test_sampled_tokens_repeat_for_the_seed_whatever_the_batch(tiny_target, tiny_draft, prompts):
+def test_sampled_tokens_repeat_for_the_seed_whatever_the_batch(tiny_target, tiny_draft, prompts,
+                                                               device):
     """Deterministic mode: a seeded request samples the same tokens alone, in a batch
     with others joining, and again."""
     ps = prompts[12:18] + prompts[:4]
     params = [SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=100 + i, max_tokens=24,
                              ignore_eos=True) for i in range(len(ps))]
-    eng = engine(tiny_target, tiny_draft)
+    eng = engine(tiny_target, device, tiny_draft)
     alone = [run(eng, [p], [params[i]])[0]["token_ids"] for i, p in enumerate(ps)]
     assert tokens(run(eng, ps, params, stagger=True)) == alone
-    assert tokens(run(engine(tiny_target, tiny_draft), ps, params)) == alone
+    assert tokens(run(engine(tiny_target, device, tiny_draft), ps, params)) == alone
 
 
 # counters and configuration
 
-def test_acceptance_counters_are_sane(tiny_target, tiny_draft, prompts):
+def test_acceptance_counters_are_sane(tiny_target, tiny_draft, prompts, device):
     k = 4
-    eng = engine(tiny_target, tiny_draft, k=k)
+    eng = engine(tiny_target, device, tiny_draft, k=k)
     got = run(eng, prompts, [greedy(i) for i in range(len(prompts))], stagger=True)
     totals = Counter()
     for r in got:
@@ -356,7 +361,7 @@ def test_acceptance_counters_are_sane(tiny_target, tiny_draft, prompts):
     assert 1.5 < (st["spec_accepted"] + st["spec_steps"]) / st["spec_steps"] < k + 1
 
 
-def test_configuration_is_checked(tiny_target, tmp_path):
+def test_configuration_is_checked(tiny_target, tmp_path, device):
     from tests.engine.random_models import make_random_model
 
     with pytest.raises(ValueError, match="num_speculative_tokens"):
@@ -366,6 +371,6 @@ def test_configuration_is_checked(tiny_target, tmp_path):
                      max_num_batched_tokens=8, max_num_seqs=8, chunk_size=8)
     other = make_random_model(tmp_path / "other", arch="llama")       # vocab 512
     with pytest.raises(ValueError, match="vocab_size 512"):
-        engine(tiny_target, other)
-    off = engine(tiny_target, other, k=0)                             # 0 disables it
+        engine(tiny_target, device, other)
+    off = engine(tiny_target, device, other, k=0)                             # 0 disables it
     assert off.spec is None and off.draft_kv is None

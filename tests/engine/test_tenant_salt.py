@@ -16,9 +16,9 @@ from shared.engine.engine import LLMEngine
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 
-def engine(model) -> LLMEngine:
+def engine(model, device: str) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(model), dtype="float32", threads=1, block_size=16,
-                                  num_blocks=256), tokenizer=None)
+                                  num_blocks=256, device=device), tokenizer=None)
 
 
 def prompt(n: int = 130, seed: int = 0) -> list[int]:
@@ -35,8 +35,8 @@ def run(eng: LLMEngine, rid: str, p: list[int], salt: str) -> int:
     return cached
 
 
-def test_prefix_keys_differ_per_salt_in_every_block(tiny_target):
-    eng = engine(tiny_target)
+def test_prefix_keys_differ_per_salt_in_every_block(tiny_target, device):
+    eng = engine(tiny_target, device)
     p = prompt()
     plain, a, a2, b = (eng.prefix_keys(p), eng.prefix_keys(p, "tenant-a"),
                        eng.prefix_keys(p, "tenant-a"), eng.prefix_keys(p, "tenant-b"))
@@ -44,8 +44,8 @@ def test_prefix_keys_differ_per_salt_in_every_block(tiny_target):
     assert not set(a) & set(b) and not set(a) & set(plain) and not set(b) & set(plain)
 
 
-def test_the_same_prompt_never_hits_across_salts(tiny_target):
-    eng = engine(tiny_target)
+def test_the_same_prompt_never_hits_across_salts(tiny_target, device):
+    eng = engine(tiny_target, device)
     p = prompt()
     assert run(eng, "a1", p, "A") == 0
     assert run(eng, "a2", p, "A") == 128           # 8 whole blocks from L1
@@ -56,9 +56,9 @@ def test_the_same_prompt_never_hits_across_salts(tiny_target):
     assert eng.cached_prefix_tokens(p, "A") == eng.cached_prefix_tokens(p, "B") == 128
 
 
-def test_held_sequences_are_salted_too(tiny_target):
+def test_held_sequences_are_salted_too(tiny_target, device):
     """Decode's PD slots (hold) and its fallback (requeue) use the request's salt."""
-    eng = engine(tiny_target)
+    eng = engine(tiny_target, device)
     p = prompt(seed=1)
     run(eng, "a1", p, "A")
     seq, _ = eng.hold("h-b", p, GREEDY, cache_salt="B")

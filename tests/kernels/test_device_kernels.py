@@ -1,6 +1,6 @@
 """The kernels on each device: on CUDA the Triton kernels compiled for real (not the
 interpreter) against the torch references; on CPU the dispatch takes the references.
-CUDA cases skip without a GPU (scripts/device_check.sh runs them where there is one)."""
+`device` is tests/devices.py's fixture: CUDA cases skip without a GPU."""
 import math
 
 import pytest
@@ -15,8 +15,6 @@ from kernels.kv_cache import (
 )
 from kernels.paged_attention import paged_attention_decode, paged_attention_decode_ref
 
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no CUDA device")])]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
@@ -25,7 +23,6 @@ def compiled(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)   # real kernels on a real device
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_attention_on_device(device, dtype):
     torch.manual_seed(0)
@@ -48,7 +45,6 @@ def test_paged_attention_on_device(device, dtype):
     torch.testing.assert_close(got.cpu().float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kv_copies_on_device(device, dtype):
     torch.manual_seed(1)

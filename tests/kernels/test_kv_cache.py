@@ -1,4 +1,5 @@
-"""KV-cache copies: Triton kernels (CPU interpreter) and torch references agree exactly."""
+"""KV-cache copies: Triton kernels (CPU interpreter on "cpu", compiled on "cuda") and torch
+references (on the host) agree exactly."""
 import pytest
 import torch
 
@@ -21,9 +22,9 @@ def make_cache(NB, BS, Hkv, D, dtype):
     return torch.randn(NB, BS, Hkv, D).to(dtype)  # [NB, BS, Hkv, D]
 
 
-def make_tokens(T, Hkv, D, dtype):
+def make_tokens(T, Hkv, D, dtype, device="cpu"):
     """k, v as strided views into one fused projection, the way a model produces them."""
-    qkv = torch.randn(T, 3 * Hkv, D).to(dtype)  # [T, (Hq + 2 Hkv), D] with Hq = Hkv
+    qkv = torch.randn(T, 3 * Hkv, D).to(dtype).to(device)  # [T, (Hq + 2 Hkv), D] with Hq = Hkv
     return qkv[:, Hkv:2 * Hkv], qkv[:, 2 * Hkv:]
 
 
@@ -31,17 +32,17 @@ def make_tokens(T, Hkv, D, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("Hkv,D,BS", [(1, 32, 16), (2, 64, 16), (3, 32, 12)])
-def test_write_kv_matches_reference(Hkv, D, BS, dtype):
+def test_write_kv_matches_reference(Hkv, D, BS, dtype, device):
     NB, T = 5, 23
-    k, v = make_tokens(T, Hkv, D, dtype)
+    k, v = make_tokens(T, Hkv, D, dtype, device)
     slots = torch.randperm(NB * BS)[:T]
     slots[[0, 7, 22]] = -1  # padding tokens
     k_ref, v_ref = make_cache(NB, BS, Hkv, D, dtype), make_cache(NB, BS, Hkv, D, dtype)
-    k_tri, v_tri = k_ref.clone(), v_ref.clone()
+    k_tri, v_tri = k_ref.to(device, copy=True), v_ref.to(device, copy=True)
 
-    write_kv_ref(k, v, k_ref, v_ref, slots)
-    write_kv_triton(k, v, k_tri, v_tri, slots)
-    assert torch.equal(k_tri, k_ref) and torch.equal(v_tri, v_ref)
+    write_kv_ref(k.cpu(), v.cpu(), k_ref, v_ref, slots)
+    write_kv_triton(k, v, k_tri, v_tri, slots.to(device))
+    assert torch.equal(k_tri.cpu(), k_ref) and torch.equal(v_tri.cpu(), v_ref)
 
 
 def test_write_kv_reference_puts_rows_at_slots_and_skips_padding():
@@ -53,11 +54,11 @@ def test_write_kv_reference_puts_rows_at_slots_and_skips_padding():
     assert int((k_cache.abs().sum((-1, -2)) > 0).sum()) == 2  # the -1 row went nowhere
 
 
-def test_write_kv_empty_is_noop():
-    k, v = make_tokens(0, 2, 32, torch.float32)
-    cache = make_cache(2, 4, 2, 32, torch.float32)
+def test_write_kv_empty_is_noop(device):
+    k, v = make_tokens(0, 2, 32, torch.float32, device)
+    cache = make_cache(2, 4, 2, 32, torch.float32).to(device)
     before = cache.clone()
-    write_kv_triton(k, v, cache, cache.clone(), torch.empty(0, dtype=torch.int64))
+    write_kv_triton(k, v, cache, cache.clone(), torch.empty(0, dtype=torch.int64, device=device))
     assert torch.equal(cache, before)
 
 
@@ -91,42 +92,45 @@ def test_write_kv_rejects_bad_inputs(overrides, message):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("shape", [(16, 2, 64), (12, 3, 32)], ids=["bs16", "bs12_odd_chunk"])
-def test_gather_blocks_matches_reference(shape, ids_dtype, dtype):
+def test_gather_blocks_matches_reference(shape, ids_dtype, dtype, device):
     cache = make_cache(9, *shape, dtype)
     ids = torch.tensor([7, 0, 3, 3, 8], dtype=ids_dtype)  # shuffled, one repeated
-    out = gather_blocks_triton(cache, ids)
-    assert out.is_contiguous() and out.shape == (5, *shape)
+    out = gather_blocks_triton(cache.to(device), ids.to(device))
+    assert out.is_contiguous() and out.shape == (5, *shape) and out.device.type == device
+    out = out.cpu()
     assert torch.equal(out, gather_blocks_ref(cache, ids))
     assert torch.equal(out[1], cache[0])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(16, 2, 64), (12, 3, 32)], ids=["bs16", "bs12_odd_chunk"])
-def test_scatter_blocks_matches_reference(shape, dtype):
+def test_scatter_blocks_matches_reference(shape, dtype, device):
     ids = torch.tensor([4, 1, 8], dtype=torch.int32)
     data = make_cache(3, *shape, dtype)
     cache_ref = make_cache(9, *shape, dtype)
-    cache_tri = cache_ref.clone()
+    cache_tri = cache_ref.to(device, copy=True)
     scatter_blocks_ref(cache_ref, ids, data)
-    scatter_blocks_triton(cache_tri, ids, data)
+    scatter_blocks_triton(cache_tri, ids.to(device), data.to(device))
+    cache_tri = cache_tri.cpu()
     assert torch.equal(cache_tri, cache_ref)
     assert torch.equal(cache_tri[8], data[2])
 
 
-def test_gather_then_scatter_moves_blocks_between_pools():
+def test_gather_then_scatter_moves_blocks_between_pools(device):
     """The KV-transfer round trip: prefill pool blocks -> buffer -> other ids in the decode pool."""
-    src, dst = make_cache(6, 8, 2, 32, torch.bfloat16), torch.zeros(7, 8, 2, 32, dtype=torch.bfloat16)
-    src_ids, dst_ids = torch.tensor([5, 2, 0]), torch.tensor([1, 6, 3])
+    src = make_cache(6, 8, 2, 32, torch.bfloat16).to(device)
+    dst = torch.zeros(7, 8, 2, 32, dtype=torch.bfloat16, device=device)
+    src_ids, dst_ids = torch.tensor([5, 2, 0], device=device), torch.tensor([1, 6, 3], device=device)
     scatter_blocks_triton(dst, dst_ids, gather_blocks_triton(src, src_ids))
     assert torch.equal(dst[dst_ids], src[src_ids])
     assert int(dst.abs().sum((1, 2, 3)).ne(0).sum()) == 3
 
 
-def test_empty_block_lists():
-    cache = make_cache(3, 4, 2, 32, torch.float32)
-    ids = torch.empty(0, dtype=torch.int64)
+def test_empty_block_lists(device):
+    cache = make_cache(3, 4, 2, 32, torch.float32).to(device)
+    ids = torch.empty(0, dtype=torch.int64, device=device)
     assert gather_blocks_triton(cache, ids).shape == (0, 4, 2, 32)
-    scatter_blocks_triton(cache, ids, torch.empty(0, 4, 2, 32))
+    scatter_blocks_triton(cache, ids, torch.empty(0, 4, 2, 32, device=device))
 
 
 @pytest.mark.parametrize("call,message", [

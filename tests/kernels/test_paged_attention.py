@@ -1,4 +1,5 @@
-"""Paged-attention decode: Triton kernel (CPU interpreter) and torch reference agree."""
+"""Paged-attention decode: Triton kernel (CPU interpreter on "cpu", compiled on "cuda") and
+torch reference agree. Cases are made on the host; the kernel gets them `on` its device."""
 import math
 
 import pytest
@@ -31,6 +32,11 @@ def make_case(lens, Hq, Hkv, D, BS, dtype, spare_blocks=3, pad_cols=1):
     return q, k_cache, v_cache, block_tables, context_lens, 1.0 / math.sqrt(D)
 
 
+def on(device, case):
+    """The case's tensors on the device (the scale stays a float)."""
+    return tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in case)
+
+
 def naive_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
     """Token by token through the block table, the slow obvious way."""
     B, Hq, D = q.shape
@@ -51,53 +57,57 @@ def naive_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
 
 
 def assert_close(actual, expected, dtype):
-    torch.testing.assert_close(actual.float(), expected.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), atol=TOL[dtype],
+                               rtol=TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("D", [32, 64])
 @pytest.mark.parametrize("Hq,Hkv", [(2, 2), (4, 2), (8, 2)])  # GQA ratio 1, 2, 4
 @pytest.mark.parametrize("lens", [[37], [1, 16, 17, 40, 5]], ids=["one_seq", "many_seqs"])
-def test_triton_matches_reference(lens, Hq, Hkv, D, dtype):
+def test_triton_matches_reference(lens, Hq, Hkv, D, dtype, device):
     case = make_case(lens, Hq, Hkv, D, BS=16, dtype=dtype)
-    assert_close(paged_attention_decode_triton(*case), paged_attention_decode_ref(*case), dtype)
+    assert_close(paged_attention_decode_triton(*on(device, case)), paged_attention_decode_ref(*case), dtype)
 
 
 @pytest.mark.parametrize("BS,D", [(12, 48), (1, 32), (32, 80)], ids=["bs12_d48", "bs1", "bs32_d80"])
-def test_block_size_and_head_dim_not_powers_of_two(BS, D):
+def test_block_size_and_head_dim_not_powers_of_two(BS, D, device):
     case = make_case([25, 3], Hq=6, Hkv=2, D=D, BS=BS, dtype=torch.float32)  # GQA ratio 3
-    assert_close(paged_attention_decode_triton(*case), paged_attention_decode_ref(*case), torch.float32)
+    assert_close(paged_attention_decode_triton(*on(device, case)), paged_attention_decode_ref(*case), torch.float32)
 
 
-def test_float16():
+def test_float16(device):
     case = make_case([19, 33], Hq=4, Hkv=1, D=32, BS=8, dtype=torch.float16)
-    assert_close(paged_attention_decode_triton(*case), paged_attention_decode_ref(*case), torch.float16)
+    assert_close(paged_attention_decode_triton(*on(device, case)), paged_attention_decode_ref(*case), torch.float16)
 
 
-def test_strided_q_and_block_tables():
+def test_strided_q_and_block_tables(device):
     q, k_cache, v_cache, block_tables, context_lens, scale = make_case([30, 9], 4, 2, 32, 8, torch.float32)
+    nb = block_tables.shape[1]
     qkv = torch.randn(2, 8, 32)
     qkv[:, :4] = q
     wide_tables = torch.full((2, 10), -1, dtype=torch.int32)
-    wide_tables[:, :block_tables.shape[1]] = block_tables
-    q_view, tables_view = qkv[:, :4], wide_tables[:, :block_tables.shape[1]]  # row strides > width
-    assert not q_view.is_contiguous() and not tables_view.is_contiguous()
+    wide_tables[:, :nb] = block_tables
     expected = paged_attention_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
+    qkv, wide_tables = qkv.to(device), wide_tables.to(device)   # views after the move: `.to` compacts
+    q_view, tables_view = qkv[:, :4], wide_tables[:, :nb]  # row strides > width
+    assert not q_view.is_contiguous() and not tables_view.is_contiguous()
+    k_cache, v_cache, context_lens = on(device, (k_cache, v_cache, context_lens))
     strided = (q_view, k_cache, v_cache, tables_view, context_lens, scale)
     assert_close(paged_attention_decode_triton(*strided), expected, torch.float32)
     assert_close(paged_attention_decode_ref(*strided), expected, torch.float32)
 
 
-def test_empty_context_gives_zeros():
+def test_empty_context_gives_zeros(device):
     case = make_case([0, 7, 0], Hq=4, Hkv=2, D=32, BS=4, dtype=torch.float32)
     ref = paged_attention_decode_ref(*case)
     assert torch.all(ref[0] == 0) and torch.all(ref[2] == 0)
-    assert_close(paged_attention_decode_triton(*case), ref, torch.float32)
+    assert_close(paged_attention_decode_triton(*on(device, case)), ref, torch.float32)
 
 
-def test_empty_batch():
+def test_empty_batch(device):
     case = make_case([], Hq=4, Hkv=2, D=32, BS=4, dtype=torch.float32)
-    assert paged_attention_decode_triton(*case).shape == (0, 4, 32)
+    assert paged_attention_decode_triton(*on(device, case)).shape == (0, 4, 32)
     assert paged_attention_decode_ref(*case).shape == (0, 4, 32)
 
 
