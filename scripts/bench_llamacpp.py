@@ -45,8 +45,9 @@ PROMPTS = [
     "Explain the rules of chess briefly.", "How do vaccines work?",
 ]
 LEVELS = {1: 8, 4: 16, 16: 32}     # concurrency -> requests
-MAKE_RUN_FLAGS = ["--threads", "auto", "--set", "decode.quantize=int4",
-                  "--set", "prefill.quantize=int4"]   # what the Makefile's run target passes
+MAKE_RUN_FLAGS = ["--threads", "auto", "--set", "decode.quantize=int4",   # what the Makefile's
+                  "--set", "prefill.quantize=int4",                   # run target passes
+                  "--set", "decode.act_int8=true", "--set", "prefill.act_int8=true"]
 
 
 def log(msg: str) -> None:

@@ -12,6 +12,7 @@ For each engine (unquantized, int8, int4), in one run:
 No calibration data is used (round-to-nearest), so every text here is held out.
 
     python scripts/bench_quant.py [--model PATH] [--dtype bfloat16] [--quantize int8,int4]
+    (a mode with "+a8", e.g. int4+a8, also sets act_int8: batches on int8 activations)
 """
 from __future__ import annotations
 
@@ -160,9 +161,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     modes = [""] + [q for q in args.quantize.split(",") if q]
-    engines = {(q or args.dtype): LLMEngine(EngineConfig(
+    engines = {(q or args.dtype): LLMEngine(EngineConfig(     # "int4+a8": act_int8 on
         model=args.model, dtype=args.dtype, num_blocks=1024, max_num_seqs=16,
-        max_num_batched_tokens=1024, chunk_size=1024, quantize=q)) for q in modes}
+        max_num_batched_tokens=1024, chunk_size=1024, quantize=q.removesuffix("+a8"),
+        act_int8=q.endswith("+a8"))) for q in modes}
     tok = next(iter(engines.values())).tokenizer
     res = {"model": Path(args.model).name, "dtype": args.dtype, "threads": args.threads,
            "max_tokens": args.max_tokens, "text": {}}

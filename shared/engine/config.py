@@ -37,6 +37,11 @@ class EngineConfig:
         "cpu | cuda | cuda:N: where the weights, the KV pool and the forward live"))
     quantize: str = field(default="", metadata=_h(
         "weight-only quantization of the linear layers: '' (none) | int8 | int4"))
+    act_int8: bool = field(default=False, metadata=_h(
+        "with quantize: forwards of 6 rows or more (prefill, batched decode) multiply the "
+        "attention output, gate|up and the LM head on int8 activations too (W8A8 on int8 "
+        "dot products, per-row dynamic scales), as llama.cpp does with Q8 activations; "
+        "int4 keeps an int8 copy of those weights"))
     prefix_cache: bool = field(default=True, metadata=_h(
         "L1: reuse whole prompt blocks still in this engine's KV pool"))
     # False: TEST ONLY, compute reads a loading layer unchecked (prefill's

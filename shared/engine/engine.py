@@ -94,7 +94,8 @@ class LLMEngine:
                          "load_failures": 0, "loaded_blocks": 0,
                          "spec_steps": 0, "spec_proposed": 0, "spec_accepted": 0}
         fp = self.tokenizer.fingerprint if self.tokenizer is not None else ""
-        self.cache_salt = prefix_salt(str(mc), fp, cfg.dtype + cfg.quantize, str(cfg.block_size))
+        self.cache_salt = prefix_salt(str(mc), fp, cfg.dtype + cfg.quantize + "a8" * cfg.act_int8,
+                                      str(cfg.block_size))
         self.prefix = PrefixCache(cfg, self.pool, self.kv, mc.num_layers, self.cache_salt,
                                   self.lock, self.counters)
 

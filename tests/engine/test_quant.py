@@ -58,11 +58,14 @@ def test_lm_head_stays_int8_under_int4():
         EngineConfig(model="x", quantize="fp8")
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "int4+a8"])
 def test_quantized_engine_is_batch_invariant_and_close(tiny_target, tiny_prompts, mode, device):
+    """+a8: act_int8, batches on int8 activations (deterministic mode pads every forward to
+    a fixed row count, so the same path runs whatever the batch)."""
     base = dict(model=str(tiny_target), num_blocks=256, deterministic=True, max_num_seqs=8,
                 max_num_batched_tokens=64, chunk_size=32, device=device)
-    q = LLMEngine(EngineConfig(**base, quantize=mode))
+    q = LLMEngine(EngineConfig(**base, quantize=mode.removesuffix("+a8"),
+                               act_int8=mode.endswith("+a8")))
     full = LLMEngine(EngineConfig(**base))
     assert q.model.weight_bytes < full.model.weight_bytes * (0.3 if mode == "int8" else 0.25)
     p = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
