@@ -5,8 +5,10 @@ For each configuration a mesh is started (1 prefill, 1 decode, one torch thread 
 prefix caches off so every prompt is computed), then requests alternate PD / colocated
 one by one (machine load drifts hit both alike), each a distinct prompt, streamed, 2
 output tokens. Configurations: `before` (the whole prompt's KV over NATS after the
-compute), `stream` (layer-wise streaming over NATS), `stream+shm` (layer-wise into shared
-memory: the default). Writes <out>/ttft_<model>.json and .png.
+compute), `stream` (layer-wise streaming over NATS, `--kv-stream`), `shm` (the whole
+prompt's KV through shared memory), `stream+shm` (layer-wise into shared memory),
+`default` (the default settings: on one host, `shm`). Writes <out>/ttft_<model>.json
+and .png.
 
     python -m pdmesh.bench_ttft [--model models/tiny-target] [--short 20] [--long 8]
 """
@@ -27,7 +29,9 @@ from .rawnats import log
 CONFIGS = {
     "before": {"kv_stream": False, "kv_shm": False},
     "stream": {"kv_stream": True, "kv_shm": False},
-    "stream+shm": {"kv_stream": True, "kv_shm": True},
+    "shm": {"kv_stream": False, "kv_shm": True},
+    "stream+shm": {"kv_stream": True, "kv_shm": True, "kv_stream_shm": True},
+    "default": {},
 }
 
 

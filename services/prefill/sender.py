@@ -38,7 +38,8 @@ class Reclaimed(Exception):
 
 class KvSender:
     def __init__(self, transport: KvTransport, sender_id: str, window: int,
-                 ledger: WriteLedger, max_write_bytes: int = 0, stream: bool = True):
+                 ledger: WriteLedger, max_write_bytes: int = 0, stream: bool = True,
+                 stream_shm: bool = False):
         """max_write_bytes: 0 = the transport's max_payload. The ack timeout is the
         transport's; a slow wire for tests is shared.kv.faults.SlowKvTransport."""
         self.transport = transport
@@ -47,6 +48,7 @@ class KvSender:
         self.ledger = ledger
         self.limit = max_write_bytes
         self.stream_enabled = stream
+        self.stream_shm = stream_shm        # stream to a same-host decode (shared memory) too
         self.max_write_bytes = 0        # the largest payload sent so far (for STATS)
         self.changed = asyncio.Condition()   # a write of some attempt completed
         self.streams: dict[str, LayerStream] = {}    # engine request id -> its stream
@@ -65,9 +67,13 @@ class KvSender:
         """Stream the attempt's KV while engine request `local_id` computes (call before
         it is added to the engine). A prompt of one chunk is not streamed: its forward is
         short, and waking the event loop at every layer costs the forward more (the GIL)
-        than the overlap gains; its KV goes in one write after it."""
+        than the overlap gains; its KV goes in one write after it. Nor to a decode on this
+        host through shared memory (unless stream_shm): no wire time to hide there."""
         if not self.stream_enabled or len(job.prompt_ids) <= engine.cfg.chunk_size:
             return
+        same_host = getattr(self.transport, "same_host", None)
+        if not self.stream_shm and same_host is not None and same_host(job.dest.instance_id):
+            return      # shared memory: no wire time to hide, the layer writes only cost
         engine.model.layer_listener = self._on_layer
         st = LayerStream(self, job, engine, local_id, attempt, asyncio.get_running_loop())
         self.streams[local_id] = st

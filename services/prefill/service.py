@@ -91,7 +91,8 @@ class PrefillService:
         self.write_back = WriteBack(self.cfg.write_policy if use else "none", kvc)
         self.sender = inject.sender(KvSender(inject.transport(kv_transport, f), self.iid,
                                              self.cfg.kv_window, self.ledger,
-                                             self.cfg.kv_max_write_bytes, self.cfg.kv_stream), f)
+                                             self.cfg.kv_max_write_bytes, self.cfg.kv_stream,
+                                             self.cfg.kv_stream_shm), f)
         self.reclaims = ReclaimResponder(self.iid, self.ledger, self.sender, self.rt.spawn)
 
     async def start(self) -> None:
