@@ -12,6 +12,8 @@ import random
 import time
 from pathlib import Path
 
+from .loadgen import completion_body
+
 
 def corpus(tok) -> list[int]:
     import argparse as a
@@ -26,9 +28,7 @@ def corpus(tok) -> list[int]:
 
 async def ask(http, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
     """One streamed completion (PD forced, greedy): TTFT, output tokens, cached tokens."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "return_token_ids": True,
-            "stream_options": {"include_usage": True}, "pdmesh_path": "pd"}
+    body = completion_body(model, prompt, "pd", max_tokens)
     t0 = time.perf_counter()
     ttft, toks, usage = None, [], {}
     async with http.post(url + "/v1/completions", json=body) as r:

@@ -25,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from .bench_report import save
 from .rawnats import log, raw_baseline
 
 SMOLLM2 = {"layers": 30, "kv_heads": 3, "head_dim": 64, "block_size": 16}
@@ -223,10 +224,7 @@ def main(argv=None) -> int:
     if args.receiver:
         return asyncio.run(receiver_main(args.nats_url, args.blocks))
     res = asyncio.run(run(args))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "kv_transfer.json").write_text(json.dumps(res, indent=2))
-    plot(res, out / "kv_transfer.png")
+    save(res, args.out, "kv_transfer", plot)
     log(json.dumps(res["ratios"], indent=2))
     return 0
 

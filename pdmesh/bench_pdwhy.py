@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from .bench_report import save
 from .bench_ttft import long_prompt
 from .loadgen import completion_body, percentile
 from .rawnats import log
@@ -155,12 +156,8 @@ def main(argv=None) -> int:
                 f"ms max {r['itl_max_s'] * 1e3:.0f} ms over {r['tokens']} tokens")
     res["itl_p99_colocated_over_pd"] = (res["phases"]["colocated"]["itl_p99_s"]
                                         / res["phases"]["pd"]["itl_p99_s"])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"pdwhy_{res['model']}"
-    (out / f"{stem}.json").write_text(json.dumps(res, indent=2))
-    plot(res, out / f"{stem}.png")
-    log(f"ITL p99 colocated / PD: {res['itl_p99_colocated_over_pd']:.2f}x; wrote {out / stem}.*")
+    path = save(res, args.out, f"pdwhy_{res['model']}", plot)
+    log(f"ITL p99 colocated / PD: {res['itl_p99_colocated_over_pd']:.2f}x; wrote {path}.*")
     return 0
 
 

@@ -83,15 +83,22 @@ def problems(res: dict) -> list[str]:
     return out
 
 
+def save(res: dict, out: str | Path, stem: str, plot_fn) -> Path:
+    """Any benchmark's files: res as <out>/<stem>.json, plot_fn(res, path) as <stem>.png;
+    returns <out>/<stem>."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=2))
+    plot_fn(res, out / f"{stem}.png")
+    return out / stem
+
+
 def write_report(res: dict, out: Path) -> None:
     """Ratios, targets and problems into res; res as JSON and the plot under out; a summary
     on stderr."""
     res["ratios"], res["targets"] = ratios_and_targets(res)
     res["problems"] = problems(res)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "mesh_" + re.sub(r"[^A-Za-z0-9._-]", "_", res["model"])
-    (out / f"{stem}.json").write_text(json.dumps(res, indent=2))
-    plot(res, out / f"{stem}.png")
+    path = save(res, out, "mesh_" + re.sub(r"[^A-Za-z0-9._-]", "_", res["model"]), plot)
     log("ratios: " + json.dumps({k: None if v is None else round(v, 3)
                                  for k, v in res["ratios"].items()}))
     for name, t in res["targets"].items():
@@ -100,4 +107,4 @@ def write_report(res: dict, out: Path) -> None:
         log(f"target {name}: {v} ({t['target']}): {verdict}")
     for p in res["problems"]:
         log(f"WARNING: {p}")
-    log(f"wrote {out / stem}.json and .png")
+    log(f"wrote {path}.json and .png")

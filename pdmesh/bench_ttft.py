@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
 from .bench import LONG_UNIT, PROMPTS
+from .bench_report import save
 from .loadgen import completion_body, stream_one
 from .rawnats import log
 
@@ -123,12 +123,8 @@ def main(argv=None) -> int:
     res = {"model": Path(args.model).name, "dtype": args.dtype, "configs": {}}
     for name in args.configs.split(","):
         res["configs"][name] = run_config(args, name, CONFIGS[name])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"ttft_{res['model']}"
-    (out / f"{stem}.json").write_text(json.dumps(res, indent=2))
-    plot(res, out / f"{stem}.png")
-    log(f"wrote {out / stem}.json and .png")
+    path = save(res, args.out, f"ttft_{res['model']}", plot)
+    log(f"wrote {path}.json and .png")
     return 0
 
 

@@ -30,7 +30,7 @@ def cluster(cfg: ChaosConfig):
                        "fault_no_epoch_fence": not cfg.epoch_fence}
     # layer-wise streaming on: the path with the most writes in flight when aborts land
     prefill = SHAPES | {"ack_wait_s": 3.0, "max_num_seqs": 8, "kv_window": cfg.kv_window,
-                        "kv_stream": True,
+                        "kv_stream": True, "kv_stream_shm": True,
                         "kv_max_write_bytes": cfg.kv_max_write_bytes,
                         "fault_kv_write_delay_s": cfg.write_delay_s}
     return Cluster(cfg.model, prefill=cfg.prefill, decode=1, kvstore=False, **DET,

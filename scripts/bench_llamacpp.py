@@ -32,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from pdmesh.bench_report import save  # noqa: E402
 from pdmesh.loadgen import percentile  # noqa: E402
 
 PROMPTS = [
@@ -210,8 +211,7 @@ def main() -> int:
             c: res["servers"]["pdmesh"][c]["tokens_per_s"]
             / res["servers"]["llama-server"][c]["tokens_per_s"] for c in LEVELS}
         log(f"pdmesh / llama-server tokens/s: {res['pdmesh_over_llama_server']}")
-    (out / "llamacpp.json").write_text(json.dumps(res, indent=2))
-    plot(res, out / "llamacpp.png")
+    save(res, out, "llamacpp", plot)
     return 0
 
 

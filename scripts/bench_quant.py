@@ -30,6 +30,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from pdmesh.bench_report import save  # noqa: E402
 from shared.contracts.sampling import SamplingParams  # noqa: E402
 from shared.engine.config import EngineConfig  # noqa: E402
 from shared.engine.engine import LLMEngine  # noqa: E402
@@ -178,15 +179,11 @@ def main() -> None:
     res["greedy"] = greedy_agreement(engines, prompts, args.max_tokens)
     log(f"decode step latency, {args.steps} steps interleaved")
     res["latency"] = step_latency(engines, prompts[0], args.steps)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"quant_{res['model']}_{args.dtype}"
-    (out / f"{stem}.json").write_text(json.dumps(res, indent=2))
-    plot(res, out / f"{stem}.png")
+    path = save(res, args.out, f"quant_{res['model']}_{args.dtype}", plot)
     log(json.dumps({n: {v: round(m["perplexity"], 3) for v, m in t.items()}
                     for n, t in res["text"].items()}))
     log(json.dumps({v: round(g["prefix_agreement"], 3) for v, g in res["greedy"].items()}))
-    log(f"wrote {out / stem}.json and .png")
+    log(f"wrote {path}.json and .png")
 
 
 if __name__ == "__main__":

@@ -258,8 +258,8 @@ async def ready(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     t = gw.registry.totals(time.monotonic())
-    kv = await kvstore_stats(gw.runtime.nc)
-    group = await prefill_group_gauges(gw.runtime.nc)
+    kv, group = await asyncio.gather(kvstore_stats(gw.runtime.nc),
+                                     prefill_group_gauges(gw.runtime.nc))
     text = gw.metrics.render(group | {
         "pdmesh_routed_prefix_warm_total": ("Requests routed to the decode instance that "
                                             "last served their prefix.", gw.client.routed_warm),
@@ -314,8 +314,10 @@ async def prefill_group_gauges(nc) -> dict:
     except Exception:  # noqa: BLE001 - no answer: no group gauges
         return {}
     ranks = [i for i in found if i.stats.get("group_size", 0) > 1]
+    if not ranks:
+        return {}
     return {f"pdmesh_prefill_{k}": (h, {i.instance_id: float(i.stats.get(k, 0)) for i in ranks})
-            for k, h in GROUP_GAUGES.items() if ranks}
+            for k, h in GROUP_GAUGES.items()}
 
 
 async def kvstore_stats(nc) -> dict:

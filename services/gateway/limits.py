@@ -170,9 +170,9 @@ class SchemaBudget:
             raise _complex(param, f"more than {MAX_PROPERTIES} properties")
         if isinstance(pattern, str):
             # length first: int() refuses a run of over 4300 digits (ValueError)
-            repeats = [int(n) for m in _REPEAT.finditer(pattern) for n in m.groups() if n
-                       ] if len(pattern) <= MAX_PATTERN_CHARS else []
-            if len(pattern) > MAX_PATTERN_CHARS or max(repeats, default=0) > MAX_PATTERN_REPEAT:
+            if len(pattern) > MAX_PATTERN_CHARS or max(
+                    (int(n) for m in _REPEAT.finditer(pattern) for n in m.groups() if n),
+                    default=0) > MAX_PATTERN_REPEAT:
                 raise _complex(param, f"a pattern over {MAX_PATTERN_CHARS} characters or with "
                                       f"a counted repeat over {MAX_PATTERN_REPEAT}")
 

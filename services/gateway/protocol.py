@@ -157,11 +157,7 @@ class OpenAIError(Exception):
 def _encodable(text: str) -> str:
     """text that encodes as UTF-8: a lone surrogate (from a request header or path that was
     not UTF-8) is written as its escape, or the error body itself could not be sent."""
-    try:
-        text.encode()
-        return text
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "backslashreplace").decode()
+    return text.encode("utf-8", "backslashreplace").decode()
 
 
 def overloaded(message: str, retry_after_s: int = 1) -> OpenAIError:

@@ -80,6 +80,13 @@ class KvSender:
         st.task = asyncio.ensure_future(st.pump())
         st.task.add_done_callback(lambda _: self.streams.pop(local_id, None))
 
+    def drop(self, local_id: str) -> None:
+        """The attempt is over: a stream still waiting (its compute failed, or a Reclaim
+        came before the send) stops; writes it started finish under the ledger."""
+        st = self.streams.pop(local_id, None)
+        if st is not None and st.task is not None:
+            st.task.cancel()
+
     def _on_layer(self, layer: int, meta) -> None:
         """The engine thread: a layer of this forward is in the pool."""
         for s in meta.spans:
@@ -136,11 +143,14 @@ class KvSender:
             return 0
         dest = job.dest.instance_id
         alloc = getattr(self.transport, "alloc", None)     # a same-host shared-memory region
+        buf = None
         try:
             nbytes = wire.piece_bytes(engine.kv, p.b1 - p.b0, p.l0, p.l1)
             buf = alloc(dest, nbytes) if alloc else None
             payload, shape = wire.pack(engine.kv, src[p.b0:p.b1], p.l0, p.l1, out=buf)
         except Exception as e:  # noqa: BLE001 - never a silent hole in the KV: the attempt fails
+            if buf is not None:
+                self.transport.release(buf)
             errors.append(f"KV write {p.index}: not packed: {e!r}")
             ledger.stop(attempt)
             return 0

@@ -78,7 +78,7 @@ class PrefillService:
                          "kv_transfer_s": 0.0, "kv_max_write_bytes": 0, "bad_jobs": 0,
                          "jobs_refused": 0, "jobs_reclaimed": 0, "jobs_redelivered": 0}
         self.ledger = WriteLedger()
-        self.peers, self.kvc, self.reclaims = peers, None, None
+        self.peers, self.kvc, self.reclaims, self.sender = peers, None, None, None
         self.group = layersplit.build(cfg, self.engine)     # None unless --group-size
         if kv_transport is not None:
             self.connect(peers, kv_transport, kvc)
@@ -142,7 +142,7 @@ class PrefillService:
         answered = self.reclaims.answered if self.reclaims is not None else 0
         return (self.engine.stats() | {"jobs_active": self.active, "kv_window": self.cfg.kv_window}
                 | self.counters | {"reclaims_answered": answered} | self.ledger.stats() | kvc
-                | getattr(getattr(self, "sender", None), "stats", dict)()
+                | (self.sender.stats() if self.sender is not None else {})
                 | {"last_load": self.engine.last_load}
                 | (self.group.stats() if self.group is not None else {}))
 
@@ -254,6 +254,7 @@ class PrefillService:
                                error=ErrorReply(code=ErrorCode.PREFILL_FAILED, message=repr(e),
                                                 request_id=job.request_id))
         finally:
+            self.sender.drop(local_id)
             self.engine.release(local_id)
 
     async def claim(self, job: PrefillJob, attempt: str) -> bool:

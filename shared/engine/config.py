@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .quant import MODES
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -65,9 +67,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
-        if self.quantize not in ("", "int8", "int4"):
+        if self.quantize not in MODES:
             raise ValueError(f"quantize must be '', 'int8' or 'int4', got {self.quantize!r}")
-        if self.draft_quantize not in ("", "none", "int8", "int4"):
+        if self.draft_quantize not in (*MODES, "none"):
             raise ValueError(f"draft_quantize must be '', none, int8 or int4, "
                              f"got {self.draft_quantize!r}")
         if self.block_size < 1 or self.max_num_seqs < 1:

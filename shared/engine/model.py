@@ -13,7 +13,6 @@ whatever else is in the batch.
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -65,7 +64,6 @@ class Model:
         activations (W8A8)."""
         self.cfg = cfg
         self.dtype = dtype
-        self.quantize = quantize
         self.scale = cfg.head_dim ** -0.5
         self.embed = weights["model.embed_tokens.weight"]
         self.device = self.embed.device
@@ -75,7 +73,6 @@ class Model:
         # called as layer_listener(layer, meta) in the forward's thread once the layer's KV
         # is in the pool: prefill streams it to decode while later layers compute
         self.layer_listener = None
-        self.forward_listener = None      # forward_listener(rows, seconds) after each forward
         self.layers: list[Layer] = []
         for i in range(cfg.num_layers):
             self.layers.append(self._layer(cfg, weights, f"model.layers.{i}.", quantize,
@@ -131,7 +128,6 @@ class Model:
         """input_ids: [T]; kv: [layers, 2, blocks, block_size, Hkv, D]. Returns logits
         [S, V] (float32, on the host: sampling is seeded per position there) for
         meta.logits_rows. A batch built on the host moves to the model's device first."""
-        t0 = time.perf_counter()
         if self.device.type != "cpu":
             input_ids, meta = to_device(input_ids, meta, self.device)
         cfg = self.cfg
@@ -164,8 +160,6 @@ class Model:
         if meta.pad_logits_to > S:  # fixed lm_head shape: batch-invariant logits
             rows = torch.cat([rows, rows.new_zeros(meta.pad_logits_to - S, rows.shape[1])])
         logits = linear(self.rms_norm(rows, self.norm), self.lm_head)[:S].float().cpu()
-        if self.forward_listener is not None:
-            self.forward_listener(T, time.perf_counter() - t0)
         return logits
 
     @staticmethod
@@ -214,10 +208,10 @@ class Model:
 def load_model(path, mc: ModelConfig, cfg, quantize: str | None = None) -> Model:
     """The checkpoint at path as the engine settings (EngineConfig) say: dtype, quantize
     (unless given), device."""
-    device = getattr(cfg, "device", "cpu")
+    device = cfg.device
     return Model(mc, load_weights(path, mc, cfg.torch_dtype, device), cfg.torch_dtype,
                  cfg.quantize if quantize is None else quantize,
-                 getattr(cfg, "act_int8", False))
+                 cfg.act_int8)
 
 
 def kv_pool(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,

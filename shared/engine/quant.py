@@ -30,10 +30,10 @@ INT4_GROUP = 32
 
 
 class Int8Weight:
-    """a8: a forward of more than one row quantizes its activations to int8 too (per row,
+    """a8: a forward of A8_MIN_ROWS rows or more quantizes its activations to int8 (per row,
     symmetric) and multiplies on int8 dot products (torch._int_mm: oneDNN, VNNI), 5-10x
-    the bfloat16-activation kernel's throughput from 32 rows on; one row (a batch-1
-    decode step, bandwidth-bound) keeps that kernel. Deterministic mode pads every forward
+    the bfloat16-activation kernel's throughput from 32 rows on; fewer rows (a batch-1
+    decode step, bandwidth-bound) keep that kernel. Deterministic mode pads every forward
     to a fixed number of rows, so its numerics still do not depend on the batch."""
     __slots__ = ("q", "scale", "scale_f", "a8")
 
@@ -86,7 +86,7 @@ class Int4Weight:
 
     def __init__(self, w: torch.Tensor, group: int = INT4_GROUP, inner_k_tiles: int = 1,
                  a8: bool = False):
-        """a8: forwards of more than one row use an int8 copy of w on int8 activations
+        """a8: forwards of A8_MIN_ROWS rows or more use an int8 copy of w on int8 activations
         (Int8Weight(a8=True)); a batch-1 decode step reads the int4 weight."""
         n, k = w.shape
         self.i8 = Int8Weight(w, a8=True) if a8 and not w.is_cuda else None
@@ -126,6 +126,10 @@ class Int4Weight:
             return F.linear(x, self._dq)
         if self.i8 is not None and x.shape[0] >= A8_MIN_ROWS:
             return self.i8.mm(x)
+        return self._mm4(x)
+
+    def _mm4(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ w.T on the int4 weight."""
         if x.is_cuda:
             return torch.ops.aten._weight_int4pack_mm(x, self.packed, self.group,
                                                       self.scales_zeros)
@@ -135,7 +139,7 @@ class Int4Weight:
     def dequantize(self) -> torch.Tensor:
         eye = torch.eye(self.in_features, dtype=self.scales_zeros.dtype,
                         device=self.scales_zeros.device)
-        return self.mm(eye).T.contiguous()
+        return self._mm4(eye).T.contiguous()
 
 
 def _act(dtype: torch.dtype, cuda: bool) -> torch.dtype:

@@ -27,9 +27,8 @@ class SlowKvTransport:
     def max_payload(self) -> int:
         return self.inner.max_payload
 
-    def alloc(self, dest: str, nbytes: int):
-        alloc = getattr(self.inner, "alloc", None)
-        return alloc(dest, nbytes) if alloc is not None else None
+    def __getattr__(self, name):     # alloc, same_host, counters: the wrapped transport's
+        return getattr(self.inner, name)
 
     async def send(self, dest: str, meta: KvWrite, payload: Buffer) -> KvWriteAck:
         await asyncio.sleep(self.rng.uniform(0.0, self.max_delay_s))

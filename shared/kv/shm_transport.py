@@ -64,7 +64,7 @@ class ShmKvTransport:
             hb = HEARTBEAT.decode(msg.data)
         except Exception:  # noqa: BLE001 - not ours to judge
             return
-        self.hosts[hb.instance_id] = getattr(hb, "host", "")
+        self.hosts[hb.instance_id] = hb.host
 
     @property
     def max_payload(self) -> int:
@@ -93,6 +93,12 @@ class ShmKvTransport:
         view = self.arena.view[off:off + nbytes]
         self._regions[id(view)] = (view, off)
         return view
+
+    def release(self, buf: memoryview) -> None:
+        """A region alloc() gave that will not be sent (its packing failed)."""
+        reg = self._regions.pop(id(buf), None)
+        if reg is not None and reg[0] is buf:
+            self.arena.free(reg[1])
 
     async def send(self, dest: str, meta: KvWrite, payload: Buffer) -> KvWriteAck:
         reg = self._regions.pop(id(payload), None)

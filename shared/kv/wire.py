@@ -1,6 +1,7 @@
 """The KV wire: how KV blocks become message payloads and back, for every KV wire in pdmesh.
 
-One checksum (crc32 of raw bytes), one header room, two payload layouts:
+Two checksums (crc32 of raw bytes for kvstore; write_checksum() for prefill -> decode
+writes), one header room, two payload layouts:
 
   write layout   prefill -> decode (KvWrite): kv[l0:l1, :, blocks] of the sender's pool,
                  C-contiguous, shape [l1 - l0, 2, n, block_size, Hkv, D]. plan() sizes the
@@ -43,7 +44,7 @@ class ChecksumError(ValueError):
 
 
 def checksum(data: Buffer) -> int:
-    """The one checksum of KV bytes, everywhere in pdmesh: crc32 (stdlib, fast)."""
+    """The checksum of KV bytes to and from kvstore: crc32 (stdlib, fast)."""
     return zlib.crc32(data)
 
 
@@ -178,7 +179,7 @@ def unpack_into(kv: torch.Tensor, blocks: list[int], l0: int, l1: int, payload: 
     """Scatter a write produced by pack() into this pool's blocks (in place)."""
     import torch
     want = [l1 - l0, 2, len(blocks), *kv.shape[3:]]
-    nbytes = layer_bytes(kv) * (l1 - l0) * len(blocks)
+    nbytes = piece_bytes(kv, len(blocks), l0, l1)
     if (list(shape) != want or dtype not in DTYPE_NAMES or getattr(torch, dtype) != kv.dtype
             or len(payload) != nbytes):
         raise ValueError(f"KV payload {dtype}{list(shape)} ({len(payload)} B) does not fit "

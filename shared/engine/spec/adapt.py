@@ -63,7 +63,6 @@ class AdaptiveK:
         self._cls = 0
         self._probe = False
         self.chosen = [0] * (k_max + 1)   # steps that chose each k (stats)
-        self.proposed = self.accepted = 0
 
     def k_for(self, seq) -> int:
         """The step's k (the same for every sequence of the step)."""
@@ -101,21 +100,12 @@ class AdaptiveK:
         arm.add(sum(len(o.new_token_ids) for o in outs), seconds, self._probe)
         arm.last = self.steps
 
-    def on_verified(self, proposed: int, accepted: int) -> None:
-        """A verification's counts (the arms see them as tokens per step already)."""
-        self.proposed += proposed
-        self.accepted += accepted
-
-    def stats(self) -> dict:
-        return {"spec_k_chosen": list(self.chosen),
-                "spec_accept_rate": self.accepted / self.proposed if self.proposed else None}
-
     @classmethod
     def attach(cls, runner) -> "AdaptiveK | None":
         """For a SpecRunner: None when k stays fixed (deterministic mode, or the engine's
         spec_adaptive off); else timing every engine step."""
         cfg, eng = runner.cfg, runner.engine
-        if cfg.deterministic or not getattr(cfg, "spec_adaptive", True):
+        if cfg.deterministic or not cfg.spec_adaptive:
             return None
         ad = cls(cfg.num_speculative_tokens, lambda: eng.scheduler.running)
         step = eng.step

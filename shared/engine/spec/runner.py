@@ -219,8 +219,6 @@ class SpecRunner:
         for name, v in (("spec_steps", 1), ("spec_proposed", k), ("spec_accepted", a)):
             setattr(seq, name, getattr(seq, name) + v)
             eng.counters[name] += v
-        if self.adapt is not None:
-            self.adapt.on_verified(k, a)
         outs = []
         for o in res.outputs:
             if req.constraint is not None:
