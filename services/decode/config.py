@@ -44,6 +44,11 @@ class DecodeConfig:
         "help": "prompts shorter than this are prefilled locally"})
     prefill_timeout_s: float = field(default=30.0, metadata={
         "help": "awaiting KV longer than this: prefill locally instead"})
+    job_queue_wait_s: float = field(default=1.0, metadata={
+        "help": "PD: acknowledge a submission once its prefill job is queued, or after this "
+                "long if the job stream cannot take it yet (a leader election after a NATS "
+                "node died takes ~10 s, longer than a gateway waits for the acknowledgement); "
+                "the job is queued as soon as the stream answers, else prefilled here"})
     prefill_dead_after_s: float = 3.0
     require_prefill: bool = field(default=False, metadata={
         "help": "ready (heartbeat, the gateway's /ready) only while a prefill worker is "
@@ -92,6 +97,8 @@ class DecodeConfig:
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, "
                              f"got {self.write_policy!r}")
+        if self.job_queue_wait_s < 0:
+            raise ValueError("job_queue_wait_s must be >= 0")
         if self.reclaim_lease_s <= 0 or self.reclaim_timeout_s <= 0:
             raise ValueError("reclaim_lease_s and reclaim_timeout_s must be > 0")
         self.monitor_config()          # raises on bad thresholds

@@ -4,10 +4,10 @@ Life cycle of a request (the record and its states: request.py; the table: lifec
   on_submit (from the gateway) -> check fingerprint and limits -> choose the path:
     colocated: the engine prefills and decodes the prompt itself;
     pd: reserve KV blocks, each stamped with an epoch (slots.py) -> PrefillJob on the
-        JetStream work queue -> on_claim: the prefill attempt that pulls it claims the
-        blocks (granted only while the request awaits KV) -> on_kv_write: KV writes land
-        in the reserved blocks (epoch-fenced) -> on_prefill_done (first token, writes
-        issued) -> join the continuous batch.
+        JetStream work queue (the ack waits for it briefly: queueing.py) -> on_claim: the
+        prefill attempt that pulls it claims the blocks (granted only while the request
+        awaits KV) -> on_kv_write: KV writes land in the reserved blocks (epoch-fenced)
+        -> on_prefill_done (first token, writes issued) -> join the continuous batch.
   -> every engine step streams TokenChunks to the gateway (stream.py) -> finished or
   aborted; aborts, fallbacks and reclaims: reclaim.py. Test-only faults wrap the slots,
   the peers and on_submit (inject.py); nothing here branches on them.
@@ -54,6 +54,7 @@ from .lifecycle import Next, RequestTable
 from .monitor import RULES, AnomalyMonitor
 from .orphans import GatewayWatch
 from .peers import DecodePeers, NatsDecodePeers
+from .queueing import JobQueueing
 from .reclaim import Reclaimer
 from .slots import KvSlots, Slots
 from .stream import TokenStream
@@ -78,6 +79,7 @@ class DecodeService:
         self.prefill_seen: dict[str, float] = {}
         self.gateways = GatewayWatch(cfg.gateway_dead_after_s)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self.queueing = JobQueueing()    # jobs still being queued after their ack
         self.wake = asyncio.Event()
         self.accepting = True
         self.counters = {"pd": 0, "colocated": 0, "kv_writes_applied": 0, "kv_writes_fenced": 0,
@@ -205,7 +207,8 @@ class DecodeService:
         except ValueError as e:       # limits, ids, an uncompilable constraint
             raise ServiceError(ErrorCode.INVALID_REQUEST, str(e), rid) from e
         if slots is not None:
-            await self._dispatch(sub, slots)
+            await self.queueing.within(rid, self._dispatch(sub, slots),
+                                       self.cfg.job_queue_wait_s)
         r = self.table.get(rid)
         if r is None:         # aborted while its job was being queued: it is gone already
             raise ServiceError(ErrorCode.ABORTED, "aborted while being admitted", rid)

@@ -1,0 +1,107 @@
+"""A PD submission is acknowledged while the job queue cannot take its job yet. When the
+NATS node that leads the job stream dies, a publish is answered only once the survivors
+elect a new leader (~10 s measured on a 3-node cluster), longer than the gateway waits for
+a SubmitAck (submit_timeout_s, 5 s): decode used to hold the acknowledgement until the job
+was queued, so the gateway gave up and aborted the submission, and a request migrating
+back to its only decode instance (token chunks lost in the node's death) ended in
+instance_lost (tests/e2e/test_nats_cluster.py). Decode and prefill in one process
+(tests/decode/local_mesh.py); the queue is held shut by the test."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.decode.request import RequestStatus
+from shared.contracts.sampling import SamplingParams
+
+from .local_mesh import DET, LocalMesh
+
+MAX_TOKENS = 8
+
+
+class ElectingQueue(LocalMesh):
+    """queue_job waits for `elected` (a job stream without a leader), then queues the job,
+    or fails as a publish that gave up does (`gives_up`)."""
+
+    def __init__(self, *a, gives_up: bool = False, **kw):
+        super().__init__(*a, **kw)
+        self.elected, self.gives_up = asyncio.Event(), gives_up
+
+    async def queue_job(self, job) -> None:
+        await self.elected.wait()
+        if self.gives_up:
+            raise TimeoutError("no job stream answered")
+        await super().queue_job(job)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_target):
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import LLMEngine
+
+    eng = LLMEngine(EngineConfig(model=str(tiny_target), num_blocks=64, **DET))
+
+    def want(prompt: list[int]) -> list[int]:
+        sp = SamplingParams(temperature=0.0, seed=1, max_tokens=MAX_TOKENS, ignore_eos=True)
+        return eng.generate([prompt], sp)[0]["token_ids"]
+    return want
+
+
+async def until(pred, steps: int = 2000) -> None:
+    for _ in range(steps):
+        if pred():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("condition never held")
+
+
+@pytest.mark.parametrize("gives_up", [False, True], ids=["queued_later", "prefilled_here"])
+async def test_a_submission_is_acknowledged_while_the_job_stream_elects_a_leader(
+        tiny_target, tiny_prompts, reference, gives_up):
+    mesh = ElectingQueue(tiny_target, decode={"job_queue_wait_s": 0.2}, gives_up=gives_up)
+    await mesh.start()
+    try:
+        prompts = {"a": tiny_prompts[5], "b": tiny_prompts[6]}
+        ack = await asyncio.wait_for(       # well within the gateway's submit_timeout_s
+            mesh.submit("a", prompts["a"], max_tokens=MAX_TOKENS, ignore_eos=True), 3.0)
+        assert ack.path.value == "pd" and not mesh.jobs
+        assert mesh.decode.table.state("a") is RequestStatus.ALLOCATED
+        # the next submission does not wait again while "a"'s job is still waiting
+        # (submissions are handled one at a time: a burst would add the waits up)
+        mesh.decode.cfg.job_queue_wait_s = 600.0
+        ack = await asyncio.wait_for(
+            mesh.submit("b", prompts["b"], max_tokens=MAX_TOKENS, ignore_eos=True), 3.0)
+        assert ack.path.value == "pd" and len(mesh.decode.queueing) == 2
+        mesh.elected.set()                  # the stream answers: queued, or given up on
+        if gives_up:                        # the existing fallback: prefilled here
+            for rid, p in prompts.items():
+                assert await mesh.tokens(rid, timeout=30) == reference(p)
+            assert mesh.decode.stats()["prefill_fallbacks"] == 2
+        else:
+            await until(lambda: len(mesh.jobs) == 2)
+            assert {mesh.decode.table.state(rid) for rid in prompts} == {
+                RequestStatus.AWAITING_KV}
+            for _ in prompts:
+                task, msg = mesh.run_job()
+                await task
+                assert msg.acked
+            for rid, p in prompts.items():
+                assert await mesh.tokens(rid, timeout=30) == reference(p)
+        assert not mesh.decode.queueing and mesh.decode.stats()["blocks_used"] == 0
+    finally:
+        await mesh.close()
+
+
+async def test_a_job_queued_at_once_is_acknowledged_after_it_is_queued(tiny_target,
+                                                                      tiny_prompts):
+    """The usual case is unchanged: the job is on the queue before the acknowledgement."""
+    mesh = LocalMesh(tiny_target)
+    await mesh.start()
+    try:
+        ack = await mesh.submit("a", tiny_prompts[5], max_tokens=MAX_TOKENS, ignore_eos=True)
+        assert ack.path.value == "pd" and len(mesh.jobs) == 1
+        assert mesh.decode.table.state("a") is RequestStatus.AWAITING_KV
+        assert not mesh.decode.queueing
+    finally:
+        await mesh.close()
