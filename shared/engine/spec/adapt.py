@@ -8,12 +8,27 @@ forward grows with its rows; at a large batch extra rows cost what they save). N
 known ahead, so each batch size class (1, 2, 3-4, 5-8, ...) keeps, for every k in
 0..num_speculative_tokens (0: plain decoding), a running average of the tokens and the
 seconds of its steps (engine.step timed as a whole), and steps take the k with the
-highest tokens per second: a bandit over k. A class tries every k a few times first;
-afterwards one step in PROBE_EVERY tries a neighbour of the best k, and every few probes
+highest tokens per second: a bandit over k. A class tries k = 0, 1, ... a few times each
+first, while the rate rises with k (past its peak, a larger k waits for a stalest probe);
+afterwards a step now and then tries a neighbour of the best k, and every few probes
 the k tried least recently (a probe's step counts more than a usual one), so a change of
 text or load moves the choice; a step far slower than its k's average (the machine was
 busy elsewhere) counts as only SPIKE times that. Steps that compute
-a prompt (their time is not decoding's) are not counted.
+a prompt (their time is not decoding's) are not counted, nor the draft's catch-up over
+positions decoded without drafts (runner.stale_s): a probe after a stretch of plain steps
+would otherwise pay for the whole stretch and k > 0 could never win one back.
+
+Probes cost: a neighbour of the best is usually slower, by a third or more when the best
+is plain decoding at a large batch. So a class probes one step in PROBE_EVERY while its
+best k is new, and half as often after each probe that left the best unchanged, down to
+one step in PROBE_MAX; a change of the best starts over. And plain decoding (the first
+choice) gives way only to a k whose rate beats its own by MARGIN: rates come from
+different steps, and leaving plain decoding on a near tie costs (the draft catches up on
+every position it missed each time it rejoins). Before these rules, on the tiny pair at
+8 code requests (where plain decoding wins), the class's probe and exploration steps were
+53 of ~280 and cost 13% of its time. scripts/bench_spec.py, k <= 4, two runs each way,
+speedup over plain decoding before -> after: code c=8 0.86 -> 0.94, chat c=8 1.02 ->
+1.10, chat c=1 1.37 -> 1.35, code c=1 1.07 -> 1.03.
 
 Deterministic mode keeps num_speculative_tokens fixed: there k may depend only on the
 sequence (runner.py), never on timing.
@@ -24,7 +39,9 @@ import time
 
 TRIES = 2              # steps each k gets in a batch class before the bandit chooses
 PROBE_EVERY = 16       # then one step in this many tries a neighbour of the best k (every
-STALEST_EVERY = 4      # this many probes: the k tried least recently)
+STALEST_EVERY = 4      # this many probes: the k tried least recently), while the best is
+PROBE_MAX = 32         # new; each probe that keeps it doubles the interval, up to this
+MARGIN = 1.10          # a k > 0 must beat plain decoding's rate by this factor
 DECAY = 0.93           # running averages: weight of the past per new step
 PROBE_WEIGHT = 0.5     # a probe's step counts this much (its arm's average may be stale)
 SPIKE = 3.0            # a step slower than this many times its k's average counts as that
@@ -53,38 +70,73 @@ class Arm:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
+class Klass:
+    """A batch class's arms (one per k) and its probing schedule."""
+    __slots__ = ("arms", "best", "interval", "wait", "probes")
+
+    def __init__(self, k_max: int):
+        self.arms = [Arm() for _ in range(k_max + 1)]
+        self.best: int | None = None
+        self.interval = self.wait = PROBE_EVERY    # steps between probes; until the next
+        self.probes = 0
+
+    def best_k(self) -> int:
+        """The fastest k; but from plain decoding only to a k that beats it by MARGIN
+        (the draft that rejoins catches up on every position it missed, so leaving plain
+        decoding on a near tie costs)."""
+        arms = self.arms
+        best = max(range(len(arms)), key=lambda k: arms[k].rate)
+        if not self.best and best and arms[best].rate < MARGIN * arms[0].rate:
+            return 0
+        return best
+
+
 class AdaptiveK:
     def __init__(self, k_max: int, running):
         """running(): the sequences the scheduler runs (those decoding are the batch)."""
         self.k_max, self.running = k_max, running
-        self.arms: dict[int, list[Arm]] = {}
+        self.classes: dict[int, Klass] = {}
         self.steps = 0
         self._k: int | None = None     # this step's choice (None: not chosen yet)
         self._cls = 0
         self._probe = False
         self.chosen = [0] * (k_max + 1)   # steps that chose each k (stats)
 
+    @property
+    def arms(self) -> dict[int, list[Arm]]:
+        return {c: kl.arms for c, kl in self.classes.items()}
+
     def k_for(self, seq) -> int:
         """The step's k (the same for every sequence of the step)."""
         if self._k is None:
             b = sum(1 for s in self.running() if s.output_ids)
             self._cls = batch_class(b)
-            self._k = self.choose(self.arms.setdefault(self._cls, [
-                Arm() for _ in range(self.k_max + 1)]))
+            kl = self.classes.get(self._cls)
+            if kl is None:
+                kl = self.classes[self._cls] = Klass(self.k_max)
+            self._k = self.choose(kl)
             self.chosen[self._k] += 1
         return self._k
 
-    def choose(self, arms: list[Arm]) -> int:
+    def choose(self, kl: Klass) -> int:
         self.steps += 1
         self._probe = False
-        untried = [k for k, a in enumerate(arms) if a.n < TRIES]
-        if untried:
-            return untried[0]
-        best = max(range(len(arms)), key=lambda k: arms[k].rate)
-        if self.steps % PROBE_EVERY or not self.k_max:
+        arms = kl.arms
+        for k, a in enumerate(arms):     # explore k = 0, 1, ... while the rate still rises
+            if a.n < TRIES:
+                return k
+            if k and a.rate < arms[k - 1].rate:
+                break                     # past the peak: the rest only as the stalest probe
+        best = kl.best_k()
+        if best != kl.best:              # a new best: probe often again
+            kl.best, kl.interval, kl.wait = best, PROBE_EVERY, PROBE_EVERY
+        kl.wait -= 1
+        if kl.wait > 0 or not self.k_max:
             return best
         self._probe = True
-        if self.steps % (PROBE_EVERY * STALEST_EVERY) == 0:
+        kl.probes += 1
+        kl.wait = kl.interval = min(PROBE_MAX, kl.interval * 2)   # kept unless it changes
+        if kl.probes % STALEST_EVERY == 0:
             return min((k for k in range(len(arms)) if k != best), key=lambda k: arms[k].last)
         near = [k for k in (best - 1, best + 1) if 0 <= k <= self.k_max]
         return min(near, key=lambda k: arms[k].last)
@@ -96,7 +148,7 @@ class AdaptiveK:
             return
         if any(o.num_output_tokens <= len(o.new_token_ids) for o in outs):
             return                          # a first token: this step computed a prompt
-        arm = self.arms[self._cls][k]
+        arm = self.classes[self._cls].arms[k]
         arm.add(sum(len(o.new_token_ids) for o in outs), seconds, self._probe)
         arm.last = self.steps
 
@@ -111,9 +163,10 @@ class AdaptiveK:
         step = eng.step
 
         def timed_step():
+            runner.stale_s = 0.0
             t = time.perf_counter()
             outs = step()
-            ad.step_done(outs, time.perf_counter() - t)
+            ad.step_done(outs, time.perf_counter() - t - runner.stale_s)
             return outs
 
         eng.step = timed_step

@@ -48,6 +48,7 @@ verification steps, drafts proposed and drafts accepted by the verifier.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -62,6 +63,17 @@ from .verify import DRAFT_SALT, VerifyInput, processed_probs, spec_generator, ve
 
 # (sequence, first position, token ids) fed to one draft forward
 Item = tuple[Sequence, int, list[int]]
+STEADY_CATCH_UP = 2     # positions a draft catches up per step while speculating (the
+#                         pending token, and the last accepted draft it was not fed)
+
+
+def _stale_share(items: list[Item]) -> float:
+    """The share of a catch-up forward spent on positions beyond a speculating step's
+    usual few: the prompt, or steps decoded without drafts. Adaptive k (adapt.py) does not
+    charge it to the step's k: it is the cost of the steps that did not speculate."""
+    rows = sum(len(t) for _, _, t in items)
+    stale = sum(max(0, len(t) - STEADY_CATCH_UP) for _, _, t in items)
+    return stale / rows if rows else 0.0
 
 
 @dataclass(slots=True, eq=False)
@@ -83,6 +95,7 @@ class SpecRunner:
         if self.cfg.deterministic:     # one padded forward
             self.catch_up = min(self.catch_up, self.cfg.max_num_batched_tokens)
         self.adapt = AdaptiveK.attach(self)   # k per step (adapt.py); None: fixed
+        self.stale_s = 0.0      # this step's draft catch-up over positions decoded plainly
 
     def lookahead(self, seq: Sequence) -> int:
         """Drafts a decode step of seq may verify: all k + 1 tokens it can emit must fit
@@ -103,7 +116,9 @@ class SpecRunner:
             seq, start = s.seq, min(s.seq.draft_computed, s.seq.num_tokens - 1)
             end = min(seq.num_tokens, start + self.catch_up)
             catch_up.append((seq, start, [seq.token_at(i) for i in range(start, end)]))
+        t = time.perf_counter()
         rows = self._forward(catch_up, self.cfg.max_num_batched_tokens)
+        self.stale_s = _stale_share(catch_up) * (time.perf_counter() - t)
         live, logits = [], []
         for s, (seq, start, toks), row in zip(steps, catch_up, rows):
             seq.draft_computed = start + len(toks)
