@@ -44,6 +44,10 @@ class EngineConfig:
         "attention output, gate|up and the LM head on int8 activations too (W8A8 on int8 "
         "dot products, per-row dynamic scales), as llama.cpp does with Q8 activations; "
         "int4 keeps an int8 copy of those weights"))
+    head_split: bool = field(default=False, metadata=_h(
+        "with quantize: decode steps of 1-2 rows multiply the two halves of the LM head "
+        "on two threads (the step is bandwidth-bound on one core and the head is its "
+        "largest weight; a second core idle at low concurrency reads half of it)"))
     prefix_cache: bool = field(default=True, metadata=_h(
         "L1: reuse whole prompt blocks still in this engine's KV pool"))
     # False: TEST ONLY, compute reads a loading layer unchecked (prefill's

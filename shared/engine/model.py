@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from kernels.kv_cache import plan_slots, write_kv
 from kernels.paged_attention import paged_attention_decode, plan_decode
 
+from .head import SplitHead
 from .loader import ModelConfig, load_weights
 from .quant import quantize_weight, weight_nbytes
 from .rope import rope_cos_sin
@@ -58,10 +59,11 @@ class Layer:
 
 class Model:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 quantize: str = "", act_int8: bool = False):
+                 quantize: str = "", act_int8: bool = False, head_split: bool = False):
         """weights on the device the model runs on; quantize: '' | 'int8' | 'int4'
         (quant.py) for the linear layers and the LM head; act_int8: their batches on int8
-        activations (W8A8)."""
+        activations (W8A8); head_split: a quantized LM head in two halves, on two threads
+        for small steps (head.py)."""
         self.cfg = cfg
         self.dtype = dtype
         self.scale = cfg.head_dim ** -0.5
@@ -69,7 +71,8 @@ class Model:
         self.device = self.embed.device
         self.norm = weights["model.norm.weight"]
         head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
-        self.lm_head = quantize_weight(head, quantize, head=True, a8=act_int8)
+        qh = lambda t: quantize_weight(t, quantize, head=True, a8=act_int8)  # noqa: E731
+        self.lm_head = SplitHead(head, qh) if head_split and quantize else qh(head)
         # called as layer_listener(layer, meta) in the forward's thread once the layer's KV
         # is in the pool: prefill streams it to decode while later layers compute
         self.layer_listener = None
@@ -225,7 +228,7 @@ def load_model(path, mc: ModelConfig, cfg, quantize: str | None = None) -> Model
     device = cfg.device
     return Model(mc, load_weights(path, mc, cfg.torch_dtype, device), cfg.torch_dtype,
                  cfg.quantize if quantize is None else quantize,
-                 cfg.act_int8)
+                 cfg.act_int8, cfg.head_split and quantize is None)
 
 
 def kv_pool(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
