@@ -26,6 +26,14 @@ async def close(client: DecodeClient, answers: Sequence[Answer], reason: str) ->
         client.release(ans.d)
 
 
+async def fail_stream(client: DecodeClient, metrics: Metrics, d, e: OpenAIError) -> None:
+    """An error after an SSE answer's headers went out (it travels as an event): counted by
+    its code, and dispatch d aborted with it."""
+    code = e.code or "error"
+    metrics.failures.inc(code=code)
+    await client.abort(d, code)
+
+
 class AbortOnExit:
     """`async with AbortOnExit(client, metrics, answers):` around an answer. On exit a
     failure is counted (an OpenAIError by its code, a client gone as "client_gone"), then

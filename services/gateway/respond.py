@@ -28,7 +28,7 @@ from shared.contracts.messages import FinishReason, TokenChunk
 from shared.toolcalls import ToolCallStreamParser, parse_tool_calls
 
 from . import protocol as P
-from .aborting import AbortOnExit
+from .aborting import AbortOnExit, fail_stream
 from .dispatch import DecodeClient, Dispatch, Lost, chunk_error
 from .metrics import Metrics
 from .migrate import migrate
@@ -231,8 +231,7 @@ async def _stream(request, client, ans: Answer, rid, deadline) -> web.StreamResp
         await sse.relay(client, deadline, _client_gone(request))
     except OpenAIError as e:
         # headers are gone: the error travels as an SSE event, then [DONE]
-        ans.metrics.failures.inc(code=e.code or "error")
-        await client.abort(ans.d, e.code or "error")
+        await fail_stream(client, ans.metrics, ans.d, e)
         await resp.write(P.sse(e.body()))
     await resp.write(P.SSE_DONE)
     await resp.write_eof()

@@ -41,10 +41,20 @@ class NatsKvTransport:
         return self.rt.nc.max_payload - HEADER_ROOM
 
     async def send(self, dest: str, meta: KvWrite, payload: Buffer) -> KvWriteAck:
+        return self.answer(await self.request(dest, meta, payload))
+
+    async def request(self, dest: str, meta: KvWrite, payload: Buffer,
+                      extra_headers: dict[str, str] | None = None):
+        """The write as one NATS request; decode's reply message (answer() reads it)."""
         if self.closed:
             raise ConnectionError("KV transport closed")
-        msg = await self.rt.nc.request(subjects.decode_kv(dest), payload, timeout=self.timeout_s,
-                                       headers=meta.headers())
+        return await self.rt.nc.request(subjects.decode_kv(dest), payload,
+                                        timeout=self.timeout_s,
+                                        headers=meta.headers() | (extra_headers or {}))
+
+    @staticmethod
+    def answer(msg) -> KvWriteAck:
+        """Decode's reply to a write: its ack, or the ServiceError it answered."""
         return decode_reply(msg.data, msg.headers, ACK)
 
     async def listen(self, instance_id: str, on_write: OnWrite) -> None:

@@ -28,9 +28,9 @@ from shared import subjects
 from shared.contracts.common import Codec
 from shared.contracts.kv import KvWrite, KvWriteAck
 from shared.contracts.messages import Heartbeat
-from shared.service import ServiceError, decode_reply
+from shared.service import ServiceError
 
-from .nats_transport import ACK, SHM_HEADER, SHM_REFUSED, NatsKvTransport
+from .nats_transport import SHM_HEADER, SHM_REFUSED, NatsKvTransport
 from .shm import Arena, ShmUnavailable, host_id, sweep_dead
 from .wire import Buffer
 
@@ -110,14 +110,12 @@ class ShmKvTransport:
             raise ConnectionError("KV transport closed")
         handle = f"{self.arena.name}:{off}:{len(payload)}"
         try:
-            msg = await self.rt.nc.request(subjects.decode_kv(dest), b"",
-                                           timeout=self.inner.timeout_s,
-                                           headers=meta.headers() | {SHM_HEADER: handle})
+            msg = await self.inner.request(dest, meta, b"", {SHM_HEADER: handle})
         except Exception:
             self.counters["kv_shm_retired"] += 1      # it may still be read: never reused
             raise
         try:
-            ack = decode_reply(msg.data, msg.headers, ACK)
+            ack = self.inner.answer(msg)
         except ServiceError as e:
             if SHM_REFUSED not in str(e):
                 self.arena.free(off)

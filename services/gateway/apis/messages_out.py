@@ -18,6 +18,7 @@ from aiohttp import web
 from shared.contracts.messages import FinishReason
 
 from .. import protocol as P
+from ..aborting import fail_stream
 from ..protocol import OpenAIError
 from .common import Call, Turn, whole_blocks
 from .messages import Ctx
@@ -150,8 +151,7 @@ async def respond_stream(turn: Turn) -> web.StreamResponse:
     except OpenAIError as e:
         if turn.resp is None:
             raise
-        turn.gw.metrics.failures.inc(code=e.code or "error")
-        await turn.gw.client.abort(turn.ans.d, e.code or "error")
+        await fail_stream(turn.gw.client, turn.gw.metrics, turn.ans.d, e)
         await turn.resp.write(b"event: error\n" + P.sse(error_body(e)))
     await turn.resp.write_eof()
     return turn.resp

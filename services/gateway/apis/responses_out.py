@@ -22,6 +22,7 @@ from aiohttp import web
 from shared.contracts.messages import FinishReason
 
 from .. import protocol as P
+from ..aborting import fail_stream
 from ..protocol import OpenAIError
 from .common import Call, Turn, whole_blocks
 from .responses import Ctx
@@ -197,8 +198,7 @@ async def respond_stream(turn: Turn, store: ResponseStore) -> web.StreamResponse
     except OpenAIError as e:
         if turn.resp is None:          # nothing sent yet: a plain HTTP error
             raise
-        turn.gw.metrics.failures.inc(code=e.code or "error")
-        await turn.gw.client.abort(turn.ans.d, e.code or "error")
+        await fail_stream(turn.gw.client, turn.gw.metrics, turn.ans.d, e)
         await ev.fail(e)
     else:
         text = "".join(ev.texts)
