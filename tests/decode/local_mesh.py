@@ -21,6 +21,16 @@ from shared.settings import build
 DET = {"deterministic": True, "dtype": "float32", "threads": 1, "block_size": 16,
        "chunk_size": 32, "max_num_batched_tokens": 128}
 CLAIM_REPLY, RECLAIM_ACK, SUBMIT_ACK = Codec(ClaimReply), Codec(ReclaimAck), Codec(SubmitAck)
+MAX_TOKENS = 8          # what the tests generate (conftest's `reference` too)
+
+
+async def until(pred, steps: int = 2000) -> None:
+    """Let the loop run until pred() holds (no wall-clock sleeps: yields only)."""
+    for _ in range(steps):
+        if pred():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("condition never held")
 
 
 class Gate:

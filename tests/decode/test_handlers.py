@@ -10,24 +10,8 @@ import time
 import pytest
 
 from services.decode.request import RequestStatus
-from shared.contracts.sampling import SamplingParams
 
-from .local_mesh import DET, LocalMesh
-
-MAX_TOKENS = 8
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_target):
-    from shared.engine.config import EngineConfig
-    from shared.engine.engine import LLMEngine
-
-    eng = LLMEngine(EngineConfig(model=str(tiny_target), num_blocks=64, **DET))
-
-    def want(prompt: list[int]) -> list[int]:
-        sp = SamplingParams(temperature=0.0, seed=1, max_tokens=MAX_TOKENS, ignore_eos=True)
-        return eng.generate([prompt], sp)[0]["token_ids"]
-    return want
+from .local_mesh import MAX_TOKENS, LocalMesh, until
 
 
 def prompt(tiny_prompts, i: int, n: int = 40) -> list[int]:
@@ -36,15 +20,6 @@ def prompt(tiny_prompts, i: int, n: int = 40) -> list[int]:
     while len(p) < n:
         p += tiny_prompts[(i + len(p)) % len(tiny_prompts)]
     return p[:n]
-
-
-async def until(pred, steps: int = 2000) -> None:
-    """Let the loop run until pred() holds (no wall-clock sleeps: yields only)."""
-    for _ in range(steps):
-        if pred():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("condition never held")
 
 
 def stats(mesh: LocalMesh) -> dict:

@@ -11,19 +11,8 @@ import pytest
 
 from services.prefill.stream import LayerStream
 
-from .local_mesh import DET, LocalMesh
-from .test_handlers import MAX_TOKENS, prompt
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_target):
-    from shared.contracts.sampling import SamplingParams
-    from shared.engine.config import EngineConfig
-    from shared.engine.engine import LLMEngine
-
-    eng = LLMEngine(EngineConfig(model=str(tiny_target), num_blocks=64, **DET))
-    sp = SamplingParams(temperature=0.0, seed=1, max_tokens=MAX_TOKENS, ignore_eos=True)
-    return lambda p: eng.generate([p], sp)[0]["token_ids"]
+from .local_mesh import MAX_TOKENS, LocalMesh
+from .test_handlers import prompt
 
 
 class Watch:

@@ -13,11 +13,8 @@ import asyncio
 import pytest
 
 from services.decode.request import RequestStatus
-from shared.contracts.sampling import SamplingParams
 
-from .local_mesh import DET, LocalMesh
-
-MAX_TOKENS = 8
+from .local_mesh import MAX_TOKENS, LocalMesh, until
 
 
 class ElectingQueue(LocalMesh):
@@ -33,27 +30,6 @@ class ElectingQueue(LocalMesh):
         if self.gives_up:
             raise TimeoutError("no job stream answered")
         await super().queue_job(job)
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_target):
-    from shared.engine.config import EngineConfig
-    from shared.engine.engine import LLMEngine
-
-    eng = LLMEngine(EngineConfig(model=str(tiny_target), num_blocks=64, **DET))
-
-    def want(prompt: list[int]) -> list[int]:
-        sp = SamplingParams(temperature=0.0, seed=1, max_tokens=MAX_TOKENS, ignore_eos=True)
-        return eng.generate([prompt], sp)[0]["token_ids"]
-    return want
-
-
-async def until(pred, steps: int = 2000) -> None:
-    for _ in range(steps):
-        if pred():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("condition never held")
 
 
 @pytest.mark.parametrize("gives_up", [False, True], ids=["queued_later", "prefilled_here"])
