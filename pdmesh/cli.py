@@ -168,7 +168,8 @@ def _default_model() -> str:
 
 
 def _print_ready(cluster) -> None:
-    model = _served_model(cluster.url) or os.path.basename(cluster.model.rstrip("/"))
+    auth, served = _probe(cluster.url)
+    model = served or os.path.basename(cluster.model.rstrip("/"))
     body = json.dumps({"model": model, "max_tokens": 64,
                        "messages": [{"role": "user", "content": "Hello! Who are you?"}]})
     print(f"\npdmesh is up: {cluster.url}   (nats {cluster.nats_url})\n\n"
@@ -176,7 +177,7 @@ def _print_ready(cluster) -> None:
           f"-d {shlex.quote(body)}\n\n"
           f"  {_tls_env(cluster)}pdmesh status --nats-url {shlex.quote(cluster.nats_url)}\n"
           f"{_debug_hint(cluster)}"
-          f"  {_auth_hint(cluster.url)}\n"
+          f"  {auth}\n"
           "Ctrl-C stops everything.\n", flush=True)
 
 
@@ -196,31 +197,28 @@ def _debug_hint(cluster) -> str:
             f"{tls} sub 'pdmesh.>'   # read-only debug user\n")
 
 
-def _auth_hint(url: str) -> str:
-    """Whether the gateway wants an API key, found by asking it without one."""
+def _probe(url: str) -> tuple[str, str | None]:
+    """(whether the gateway wants an API key, the model it serves), from one unauthenticated
+    GET /v1/models."""
     import urllib.error
     import urllib.request
 
     try:
-        urllib.request.urlopen(url + "/v1/models", timeout=2).close()
+        with urllib.request.urlopen(url + "/v1/models", timeout=2) as r:
+            body = r.read()
     except urllib.error.HTTPError as e:
         if e.code == 401:
             return ("API keys: ON (send Authorization: Bearer KEY; keys from "
-                    "--set gateway.api_key_file=FILE or PDMESH_API_KEY)")
-    except Exception:  # noqa: BLE001 - only for the hint
-        return "API keys: unknown (the gateway did not answer)"
-    return ("API keys: OFF - anyone who can reach this port can use it "
-            "(--set gateway.api_key_file=FILE, or PDMESH_API_KEY, turns them on)")
-
-
-def _served_model(url: str) -> str | None:
-    import urllib.request
-
+                    "--set gateway.api_key_file=FILE or PDMESH_API_KEY)"), None
+        return f"API keys: unknown (the gateway answered HTTP {e.code})", None
+    except Exception:  # noqa: BLE001 - only for the hints
+        return "API keys: unknown (the gateway did not answer)", None
     try:
-        with urllib.request.urlopen(url + "/v1/models", timeout=2) as r:
-            return json.load(r)["data"][0]["id"]
-    except Exception:  # noqa: BLE001 - only for the hint
-        return None
+        model = json.loads(body)["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        model = None
+    return ("API keys: OFF - anyone who can reach this port can use it "
+            "(--set gateway.api_key_file=FILE, or PDMESH_API_KEY, turns them on)"), model
 
 
 # ---- status --------------------------------------------------------------------------------
