@@ -91,3 +91,38 @@ def test_tail_hides_heartbeats_by_pattern():
     assert cli._matches("pdmesh.evt.*.heartbeat", "pdmesh.evt.decode.heartbeat")
     assert not cli._matches("pdmesh.evt.*.heartbeat", "pdmesh.evt.request.aborted")
     assert cli._matches("pdmesh.>", "pdmesh.decode.kv.d0")
+
+
+@pytest.mark.parametrize("status,body,hint,model", [
+    (200, b'{"object": "list", "data": [{"id": "SmolLM2"}]}', "API keys: OFF", "SmolLM2"),
+    (200, b'{"data": []}', "API keys: OFF", None),
+    (401, b'{"error": {}}', "API keys: ON", None),
+    (500, b"", "API keys: unknown (the gateway answered HTTP 500)", None),
+])
+def test_the_ready_banner_reads_keys_and_model_from_one_request(status, body, hint, model):
+    """`pdmesh up`'s banner: whether the gateway wants an API key and the model it serves,
+    from one unauthenticated GET /v1/models."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    seen = []
+
+    class Gateway(BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append(self.path)
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    srv = HTTPServer(("127.0.0.1", 0), Gateway)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        got_hint, got_model = cli._probe(f"http://127.0.0.1:{srv.server_address[1]}")
+    finally:
+        srv.shutdown()
+    assert got_hint.startswith(hint) and got_model == model and seen == ["/v1/models"]
+    assert cli._probe("http://127.0.0.1:9")[0] == "API keys: unknown (the gateway did not answer)"
