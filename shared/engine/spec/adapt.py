@@ -163,7 +163,6 @@ class AdaptiveK:
         step = eng.step
 
         def timed_step():
-            runner.stale_s = 0.0
             t = time.perf_counter()
             outs = step()
             ad.step_done(outs, time.perf_counter() - t - runner.stale_s)

@@ -107,6 +107,7 @@ class SpecRunner:
     # ---- propose ------------------------------------------------------------------
     def propose(self, batch: list[Scheduled]) -> None:
         """Fill s.drafts (and s.draft_probs) of the batch's speculative decode steps."""
+        self.stale_s = 0.0
         steps = [s for s in batch if s.k]
         if not steps:
             return
