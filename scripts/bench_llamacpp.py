@@ -49,6 +49,7 @@ LEVELS = {1: 8, 4: 16, 16: 32}     # concurrency -> requests
 MAKE_RUN_FLAGS = ["--threads", "auto", "--set", "decode.quantize=int4",   # what the Makefile's
                   "--set", "prefill.quantize=int4",                   # run target passes
                   "--set", "decode.act_int8=true", "--set", "prefill.act_int8=true",
+                  "--set", "decode.smoothquant=true",
                   "--set", "decode.head_split=true"]
 
 

@@ -9,10 +9,13 @@ For each engine (unquantized, int8, int4), in one run:
     share of tokens equal to the unquantized engine's before the first divergence, and
     the share of whole outputs that are identical;
   - c=1 decode step latency, the engines interleaved step by step.
-No calibration data is used (round-to-nearest), so every text here is held out.
+Round-to-nearest needs no calibration data; SmoothQuant ("+sq") calibrates on
+shared/engine/calibration.txt, which holds none of these texts, so every text here is
+held out.
 
     python scripts/bench_quant.py [--model PATH] [--dtype bfloat16] [--quantize int8,int4]
-    (a mode with "+a8", e.g. int4+a8, also sets act_int8: batches on int8 activations)
+    (a mode with "+a8", e.g. int4+a8, also sets act_int8: batches on int8 activations;
+    "+a8+sq" also sets smoothquant: q|k|v and down too, SmoothQuant-calibrated)
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ from shared.contracts.sampling import SamplingParams  # noqa: E402
 from shared.engine.config import EngineConfig  # noqa: E402
 from shared.engine.engine import LLMEngine  # noqa: E402
 from shared.engine.gguf_convert import default_model_dir  # noqa: E402
-from shared.engine.model import BatchMeta, SeqSpan, kv_pool  # noqa: E402
+from shared.engine.model import one_prompt  # noqa: E402
 from tests.conftest import CODE_PROMPTS  # noqa: E402
 
 CHAT_PROMPTS = ["What is the capital of France?", "Give me three tips for sleeping better.",
@@ -59,11 +62,7 @@ def held_out_texts() -> dict[str, str]:
 
 def window_logits(eng: LLMEngine, ids: list[int]) -> torch.Tensor:
     """Logits [T, V] for every position of one window, the prompt computed in one forward."""
-    T, bs = len(ids), eng.cfg.block_size
-    kv = kv_pool(eng.model_cfg, -(-T // bs), bs, eng.cfg.torch_dtype)
-    slots = torch.arange(T)
-    meta = BatchMeta(positions=slots, slot_mapping=slots, spans=[SeqSpan(0, T, T, slots)],
-                     logits_rows=slots)
+    meta, kv = one_prompt(eng.model_cfg, len(ids), eng.cfg.torch_dtype, every_row=True)
     return eng.model.forward(torch.tensor(ids), meta, kv)
 
 
@@ -164,8 +163,8 @@ def main() -> None:
     modes = [""] + [q for q in args.quantize.split(",") if q]
     engines = {(q or args.dtype): LLMEngine(EngineConfig(     # "int4+a8": act_int8 on
         model=args.model, dtype=args.dtype, num_blocks=1024, max_num_seqs=16,
-        max_num_batched_tokens=1024, chunk_size=1024, quantize=q.removesuffix("+a8"),
-        act_int8=q.endswith("+a8"))) for q in modes}
+        max_num_batched_tokens=1024, chunk_size=1024, quantize=q.split("+")[0],
+        act_int8="+a8" in q, smoothquant=q.endswith("+sq"))) for q in modes}
     tok = next(iter(engines.values())).tokenizer
     res = {"model": Path(args.model).name, "dtype": args.dtype, "threads": args.threads,
            "max_tokens": args.max_tokens, "text": {}}

@@ -44,6 +44,10 @@ class EngineConfig:
         "attention output, gate|up and the LM head on int8 activations too (W8A8 on int8 "
         "dot products, per-row dynamic scales), as llama.cpp does with Q8 activations; "
         "int4 keeps an int8 copy of those weights"))
+    smoothquant: bool = field(default=False, metadata=_h(
+        "with act_int8: q|k|v and down on int8 activations too, after SmoothQuant "
+        "(per-channel smoothing calibrated at load over a fixed built-in text, ~1,100 "
+        "tokens; smooth.py), for faster batches and prefill; CPU only"))
     head_split: bool = field(default=False, metadata=_h(
         "with quantize: decode steps of 1-2 rows multiply the two halves of the LM head "
         "on two threads (the step is bandwidth-bound on one core and the head is its "
@@ -73,6 +77,8 @@ class EngineConfig:
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.quantize not in MODES:
             raise ValueError(f"quantize must be '', 'int8' or 'int4', got {self.quantize!r}")
+        if self.smoothquant and not (self.quantize and self.act_int8):
+            raise ValueError("smoothquant needs quantize (int8 or int4) and act_int8")
         if self.draft_quantize not in (*MODES, "none"):
             raise ValueError(f"draft_quantize must be '', none, int8 or int4, "
                              f"got {self.draft_quantize!r}")

@@ -69,7 +69,7 @@ class LLMEngine:
             from .tokenizer import Tokenizer
             tokenizer = Tokenizer.from_pretrained(cfg.model)
         self.tokenizer = tokenizer
-        self.model = load_model(cfg.model, mc, cfg)
+        self.model = load_model(cfg.model, mc, cfg, smooth_ids=self._calibration_ids())
         dc = self._draft_config()
         models = [c for c in (mc, dc) if c is not None]
         self.max_model_len = min([cfg.max_model_len or mc.max_position]
@@ -94,10 +94,24 @@ class LLMEngine:
                          "load_failures": 0, "loaded_blocks": 0,
                          "spec_steps": 0, "spec_proposed": 0, "spec_accepted": 0}
         fp = self.tokenizer.fingerprint if self.tokenizer is not None else ""
-        self.cache_salt = prefix_salt(str(mc), fp, cfg.dtype + cfg.quantize + "a8" * cfg.act_int8,
+        self.cache_salt = prefix_salt(str(mc), fp, cfg.dtype + cfg.quantize + "a8" * cfg.act_int8
+                                      + "sq" * self._smoothing,
                                       str(cfg.block_size))
         self.prefix = PrefixCache(cfg, self.pool, self.kv, mc.num_layers, self.cache_salt,
                                   self.lock, self.counters)
+
+    @property
+    def _smoothing(self) -> bool:
+        """SmoothQuant applies (smooth.py): act_int8's CPU path, with q|k|v and down."""
+        return self.cfg.smoothquant and self.cfg.device == "cpu"
+
+    def _calibration_ids(self) -> list[int] | None:
+        if not self._smoothing:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("smoothquant calibrates on text: it needs the model's tokenizer")
+        from .smooth import calibration_text
+        return self.tokenizer.encode(calibration_text())
 
     def _draft_config(self):
         if not self.cfg.speculative:

@@ -25,6 +25,7 @@ from .head import SplitHead
 from .loader import ModelConfig, load_weights
 from .quant import quantize_weight, weight_nbytes
 from .rope import rope_cos_sin
+from .smooth import CALIBRATION_TOKENS, Observed, SmoothedWeight, smoothing
 
 
 @dataclass(slots=True)
@@ -59,11 +60,13 @@ class Layer:
 
 class Model:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 quantize: str = "", act_int8: bool = False, head_split: bool = False):
+                 quantize: str = "", act_int8: bool = False, head_split: bool = False,
+                 smooth_ids: list[int] | None = None):
         """weights on the device the model runs on; quantize: '' | 'int8' | 'int4'
         (quant.py) for the linear layers and the LM head; act_int8: their batches on int8
         activations (W8A8); head_split: a quantized LM head in two halves, on two threads
-        for small steps (head.py)."""
+        for small steps (head.py); smooth_ids (with act_int8, on CPU): calibration tokens
+        for SmoothQuant, which puts q|k|v and down on W8A8 too (smooth.py)."""
         self.cfg = cfg
         self.dtype = dtype
         self.scale = cfg.head_dim ** -0.5
@@ -85,6 +88,24 @@ class Model:
         # rope(x) = x * cos + rot(x) * sin with rot(x) = [-x2, x1]: the sign folded into sin
         self.cos = cos.to(self.device)
         self.sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(self.device)
+        if smooth_ids and quantize and act_int8 and self.device.type == "cpu":
+            self._smooth(weights, smooth_ids)
+
+    def _smooth(self, weights: dict, ids: list[int]) -> None:
+        """SmoothQuant for q|k|v and down: forwards over `ids` record each one's
+        per-channel max|x|, then each becomes a SmoothedWeight over its own base."""
+        for L in self.layers:
+            L.qkv_w, L.down_w = Observed(L.qkv_w), Observed(L.down_w)
+        n = min(CALIBRATION_TOKENS, self.cfg.max_position)
+        for s in range(0, len(ids), n):
+            chunk = ids[s:s + n]
+            self.forward(torch.tensor(chunk), *one_prompt(self.cfg, len(chunk), self.dtype))
+        for i, L in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            for attr, w in (("qkv_w", _qkv(weights, p)),
+                            ("down_w", weights[p + "mlp.down_proj.weight"])):
+                seen = getattr(L, attr)
+                setattr(L, attr, SmoothedWeight(seen.base, w, smoothing(w, seen.amax)))
 
     @staticmethod
     def _layer(cfg: ModelConfig, weights: dict, p: str, quantize: str, a8: bool) -> Layer:
@@ -97,8 +118,7 @@ class Model:
         L = Layer()
         L.ln1, L.ln2 = w("input_layernorm.weight"), w("post_attention_layernorm.weight")
         # fused projections: one GEMM for q|k|v and one for gate|up
-        L.qkv_w = q(torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
-                               w("self_attn.v_proj.weight")]).contiguous())
+        L.qkv_w = q(_qkv(weights, p))
         L.qkv_b = (torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"),
                               w("self_attn.v_proj.bias")]) if cfg.attention_bias else None)
         L.o_w = q8(w("self_attn.o_proj.weight"))
@@ -222,13 +242,29 @@ class Model:
         return torch.bmm(p, vs.transpose(0, 1)).reshape(1, -1, D).to(q.dtype)
 
 
-def load_model(path, mc: ModelConfig, cfg, quantize: str | None = None) -> Model:
+def _qkv(weights: dict, p: str) -> torch.Tensor:
+    """The fused q|k|v projection of layer prefix p: one GEMM."""
+    return torch.cat([weights[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]).contiguous()
+
+
+def one_prompt(cfg: ModelConfig, T: int, dtype: torch.dtype,
+               every_row: bool = False) -> tuple[BatchMeta, torch.Tensor]:
+    """(meta, scratch KV) to compute one T-token prompt in one forward, outside any
+    engine (calibration, perplexity): the last row's logits, or every row's."""
+    slots = torch.arange(T)
+    meta = BatchMeta(positions=slots, slot_mapping=slots, spans=[SeqSpan(0, T, T, slots)],
+                     logits_rows=slots if every_row else slots[-1:])
+    return meta, kv_pool(cfg, T, 1, dtype)
+
+
+def load_model(path, mc: ModelConfig, cfg, quantize: str | None = None,
+               smooth_ids: list[int] | None = None) -> Model:
     """The checkpoint at path as the engine settings (EngineConfig) say: dtype, quantize
-    (unless given), device."""
+    (unless given), device; smooth_ids: SmoothQuant's calibration tokens."""
     device = cfg.device
     return Model(mc, load_weights(path, mc, cfg.torch_dtype, device), cfg.torch_dtype,
                  cfg.quantize if quantize is None else quantize,
-                 cfg.act_int8, cfg.head_split and quantize is None)
+                 cfg.act_int8, cfg.head_split and quantize is None, smooth_ids)
 
 
 def kv_pool(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
