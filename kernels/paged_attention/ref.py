@@ -1,9 +1,9 @@
 """Torch reference for paged-attention decode; also the engine's CPU path.
 
 Vectorised over the batch: gather every sequence's blocks up to the longest context,
-mask the padding, softmax in float32. The short loop over kv heads lets each bmm read a
-strided view of the gathered K/V; one 4-D matmul would first copy them heads-first
-(measured ~2x slower on CPU; a loop over sequences lost when contexts were short).
+mask the padding, softmax in float32. The gathered K/V turn heads-first in the copy that
+makes them float32 anyway, so two bmms over B * Hkv matrices do the rest (a loop over
+sequences loses while contexts are short: shared/engine/batch.py picks).
 
 The gather indices and the padding mask depend only on the block tables and context
 lengths, which every layer of a forward shares: `plan_decode` makes them once and each
@@ -50,14 +50,16 @@ def paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     p = plan or plan_decode(block_tables, context_lens, BS, q.device)
     if p.L == 0:
         return q.new_zeros((B, Hq, D))
-    k = k_cache.index_select(0, p.tables).view(B, p.L, Hkv, D).float()  # [B, L, Hkv, D]
-    v = v_cache.index_select(0, p.tables).view(B, p.L, Hkv, D).float()
-
-    qg = q.float().reshape(B, Hkv, G, D)
-    out = torch.empty((B, Hkv, G, D), dtype=torch.float32, device=q.device)
-    for h in range(Hkv):
-        scores = torch.bmm(qg[:, h], k[:, :, h].transpose(1, 2)) * scale  # [B, G, L]
-        scores.masked_fill_(p.pad, float("-inf"))
-        torch.bmm(torch.softmax(scores, dim=-1), v[:, :, h], out=out[:, h])
-    out.masked_fill_(p.empty[:, None, None, None], 0.0)  # empty context: NaN -> 0
-    return out.view(B, Hq, D).to(q.dtype)
+    # heads-first in the one copy that makes them float32 (`to` alone would keep a float32
+    # cache's strides): each bmm then runs over B * Hkv contiguous matrices (a strided
+    # view per kv head was 1.3-1.5x slower)
+    k = (k_cache.index_select(0, p.tables).view(B, p.L, Hkv, D).transpose(1, 2)
+         .to(torch.float32, memory_format=torch.contiguous_format).contiguous())  # [B,Hkv,L,D]
+    v = (v_cache.index_select(0, p.tables).view(B, p.L, Hkv, D).transpose(1, 2)
+         .to(torch.float32, memory_format=torch.contiguous_format).contiguous())
+    qg = q.float().reshape(B * Hkv, G, D)
+    scores = torch.bmm(qg, k.view(B * Hkv, p.L, D).transpose(1, 2)).mul_(scale)
+    scores.view(B, Hq, p.L).masked_fill_(p.pad, float("-inf"))        # [B*Hkv, G, L]
+    out = torch.bmm(torch.softmax(scores, dim=-1), v.view(B * Hkv, p.L, D)).view(B, Hq, D)
+    out.masked_fill_(p.empty[:, None, None], 0.0)  # empty context: NaN -> 0
+    return out.to(q.dtype)

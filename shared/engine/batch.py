@@ -7,9 +7,9 @@ Rows come in two kinds:
   chunks       prompt chunks (and, in deterministic mode, every step), attended per
                sequence over exactly that sequence's context (SeqSpan).
 On CPU, single-token decode rows go through the chunk path too (one small attention per
-sequence on its exact context) when there are at most two of them or their contexts
-average PER_SEQUENCE_CTX tokens or more: the batched call pads every sequence to the
-longest context and copies it all to float32, which costs more from there on.
+sequence on its exact context) when their contexts average PER_SEQUENCE_CTX tokens or
+more: the batched call pads every sequence to the longest context and copies it all to
+float32, which costs more from there on.
 Deterministic mode pads every forward to max_num_batched_tokens rows, so no request's
 logits depend on its neighbours.
 """
@@ -23,11 +23,12 @@ from .config import EngineConfig
 from .model import BatchMeta, SeqSpan
 from .scheduler import Scheduled
 
-# CPU, SmolLM2's heads, bf16 KV, one thread, us per layer (batched call / per sequence):
-# 8 rows at 50 / 100 / 300 tokens of context 293/273, 432/324, 2289/609; 16 rows 491/530,
-# 771/649, 2122/1196; 32 rows at 20 tokens 568/946, at 1,000 35767/9187; 2 rows per
-# sequence at every length (145/75 at 20 tokens)
-PER_SEQUENCE_CTX = 64
+# CPU, SmolLM2's heads, bf16 KV, one thread, us per layer (batched call / per sequence),
+# contexts within +-10 tokens of each other: 2 rows at 20 / 100 / 300 tokens 53/68,
+# 77/86, 172/157; 8 rows at 64 / 150 / 200 / 300 171/312, 375/420, 516/496, 748/670;
+# 16 rows 380/626, 767/862, 990/973, 1460/1338; 32 rows 764/1244, 1489/1620, 2044/1906,
+# 2933/2628. The batched call pads to the longest context: more spread, more waste.
+PER_SEQUENCE_CTX = 192
 
 
 @dataclass(slots=True)
@@ -78,7 +79,7 @@ def _decode_rows(batch: list[Scheduled], cfg: EngineConfig) -> list[Scheduled]:
     if cfg.device.startswith("cuda"):      # the paged kernel
         return decode
     single = [s for s in decode if not s.drafts]
-    if len(single) <= 2 or sum(s.start + 1 for s in single) >= PER_SEQUENCE_CTX * len(single):
+    if sum(s.start + 1 for s in single) >= PER_SEQUENCE_CTX * len(single):
         decode = [s for s in decode if s.drafts]
     return [] if sum(s.rows for s in decode) == 1 else decode
 
