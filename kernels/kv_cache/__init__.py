@@ -21,6 +21,8 @@ class SlotPlan:
 
 
 def plan_slots(slot_mapping: torch.Tensor) -> SlotPlan:
+    if slot_mapping.is_cuda:   # the Triton write skips -1 itself: no host sync to plan
+        return SlotPlan(slot_mapping, None, slot_mapping)
     keep = slot_mapping >= 0
     if bool(keep.all()):
         return SlotPlan(slot_mapping, None, slot_mapping.long())

@@ -37,17 +37,17 @@ async def migrate(client: DecodeClient, d: Dispatch, output_ids: list[int],
                      tried={d.instance})
     await client.abort(d, f"migrated_{reason}")     # if it still lives, it stops
     client.release(d)
-    try:
-        nd = await client.send(sub)
-    except OpenAIError as e:
-        if reason == "instance_dead":
-            log.warning("%s: migration failed: %s", origin.request_id, e.message)
-            return None
-        sub.tried = set()         # it only lost chunks: the same instance may take it back
+    # an instance that only lost chunks (not dead) may take the request back when no
+    # other instance can
+    for tried in ([sub.tried] if reason == "instance_dead" else [sub.tried, set()]):
+        sub.tried = tried
         try:
             nd = await client.send(sub)
-        except OpenAIError as e2:
-            log.warning("%s: migration failed: %s", origin.request_id, e2.message)
-            return None
+            break
+        except OpenAIError as e:
+            error = e
+    else:
+        log.warning("%s: migration failed: %s", origin.request_id, error.message)
+        return None
     nd.redispatches, nd.migrations, nd.origin = d.redispatches, d.migrations + 1, origin
     return nd
