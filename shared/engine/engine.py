@@ -40,7 +40,7 @@ from .block_pool import BlockPool
 from .config import EngineConfig
 from .layer_load import LayerLoad, LoadFailed
 from .limits import check_request
-from .loader import load_config
+from .loader import draft_config, load_config
 from .model import kv_block_bytes, kv_pool, load_model
 from .output import OutputProcessor, RequestOutput
 from .prefix import prefix_salt
@@ -48,6 +48,7 @@ from .prefix_cache import PrefixCache
 from .sampling import SampleInput, SampleOutput, fit_banned, sample
 from .scheduler import Scheduler, cancel_load
 from .sequence import SeqStatus, Sequence
+from .smooth import applies as smoothing_applies, calibration_ids
 
 
 @dataclass(slots=True)
@@ -69,8 +70,8 @@ class LLMEngine:
             from .tokenizer import Tokenizer
             tokenizer = Tokenizer.from_pretrained(cfg.model)
         self.tokenizer = tokenizer
-        self.model = load_model(cfg.model, mc, cfg, smooth_ids=self._calibration_ids())
-        dc = self._draft_config()
+        self.model = load_model(cfg.model, mc, cfg, smooth_ids=calibration_ids(cfg, tokenizer))
+        dc = draft_config(cfg, mc)
         models = [c for c in (mc, dc) if c is not None]
         self.max_model_len = min([cfg.max_model_len or mc.max_position]
                                  + [c.max_position for c in models])
@@ -95,33 +96,10 @@ class LLMEngine:
                          "spec_steps": 0, "spec_proposed": 0, "spec_accepted": 0}
         fp = self.tokenizer.fingerprint if self.tokenizer is not None else ""
         self.cache_salt = prefix_salt(str(mc), fp, cfg.dtype + cfg.quantize + "a8" * cfg.act_int8
-                                      + "sq" * self._smoothing,
+                                      + "sq" * smoothing_applies(cfg),
                                       str(cfg.block_size))
         self.prefix = PrefixCache(cfg, self.pool, self.kv, mc.num_layers, self.cache_salt,
                                   self.lock, self.counters)
-
-    @property
-    def _smoothing(self) -> bool:
-        """SmoothQuant applies (smooth.py): act_int8's CPU path, with q|k|v and down."""
-        return self.cfg.smoothquant and self.cfg.device == "cpu"
-
-    def _calibration_ids(self) -> list[int] | None:
-        if not self._smoothing:
-            return None
-        if self.tokenizer is None:
-            raise ValueError("smoothquant calibrates on text: it needs the model's tokenizer")
-        from .smooth import calibration_text
-        return self.tokenizer.encode(calibration_text())
-
-    def _draft_config(self):
-        if not self.cfg.speculative:
-            return None
-        dc = load_config(self.cfg.draft_model)
-        if dc.vocab_size != self.model_cfg.vocab_size:
-            raise ValueError(f"draft model {self.cfg.draft_model} has vocab_size {dc.vocab_size}; "
-                             f"the target's is {self.model_cfg.vocab_size}: they must share a "
-                             "tokenizer")
-        return dc
 
     def _start_speculation(self, dc, num_blocks: int) -> None:
         from .spec.runner import SpecRunner

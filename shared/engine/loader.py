@@ -161,3 +161,16 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
                 f"{path}: tensor {name} has shape {tuple(got[name].shape)}, "
                 f"config implies {shape}")
     return got
+
+
+def draft_config(cfg, target):
+    """The draft model's config when cfg speculates (None otherwise); it must share the
+    target's vocabulary."""
+    if not cfg.speculative:
+        return None
+    dc = load_config(cfg.draft_model)
+    if dc.vocab_size != target.vocab_size:
+        raise ValueError(f"draft model {cfg.draft_model} has vocab_size {dc.vocab_size}; "
+                         f"the target's is {target.vocab_size}: they must share a "
+                         "tokenizer")
+    return dc

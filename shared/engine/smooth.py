@@ -34,6 +34,20 @@ def calibration_text() -> str:
     return (Path(__file__).with_name("calibration.txt")).read_text()
 
 
+def applies(cfg) -> bool:
+    """SmoothQuant applies: act_int8's CPU path, with q|k|v and down."""
+    return cfg.smoothquant and cfg.device == "cpu"
+
+
+def calibration_ids(cfg, tokenizer) -> list[int] | None:
+    """The calibration text's token ids when smoothing applies, else None."""
+    if not applies(cfg):
+        return None
+    if tokenizer is None:
+        raise ValueError("smoothquant calibrates on text: it needs the model's tokenizer")
+    return tokenizer.encode(calibration_text())
+
+
 class Observed:
     """A weight during calibration: multiplies as `base` and keeps the running per-input-
     channel max|x| of what it was given."""
