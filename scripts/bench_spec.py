@@ -1,12 +1,14 @@
 """Speculative decoding benchmark: decode tokens/s with and without the draft, side by side.
 
   engines      the target alone, and target + draft at each k (--k 2 4: at most k drafts,
-               chosen per step by shared/engine/spec/adapt.py; --fixed 4: always k)
+               chosen per step by shared/engine/spec/adapt.py, none above spec_max_batch
+               (4) decoding sequences; --unlimited 4: the same without that limit, the
+               bandit alone; --fixed 4: always k)
   prompts      code (tests/conftest.py CODE_PROMPTS) and chat (synthetic multi-turn Q&A,
                rendered with the chat template): the draft agrees with the target on ~64%
                of code tokens and ~90% of chat tokens
-  concurrency  1: each prompt runs alone on every engine in turn; 8: rounds of 8 requests
-               at once, every engine in turn each round (interleaved, so machine load
+  concurrency  1: each prompt runs alone on every engine in turn; 4 and 8: rounds of 4 or
+               8 requests at once, every engine in turn each round (interleaved, so machine load
                hits all engines alike)
 
 Decode tokens/s counts the tokens of steps that finished no prefill, over those steps' time.
@@ -56,12 +58,13 @@ def chat_prompts(tok, n: int, seed: int = 7) -> list[list[int]]:
     return out
 
 
-def make_engine(args, k: int, adaptive: bool = True) -> LLMEngine:
+def make_engine(args, k: int, adaptive: bool = True, max_batch: int | None = None) -> LLMEngine:
+    limit = {} if max_batch is None else {"spec_max_batch": max_batch}
     eng = LLMEngine(EngineConfig(
         model=args.model, dtype=args.dtype, num_blocks=2048, block_size=16, max_num_seqs=8,
         max_num_batched_tokens=512, chunk_size=512, threads=1,
         draft_model=args.draft if k else None, num_speculative_tokens=k,
-        spec_adaptive=adaptive))
+        spec_adaptive=adaptive, **limit))
     eng.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
     return eng
 
@@ -98,18 +101,19 @@ class Tally:
 
 
 def bench(engines: dict, prompts, max_tokens: int, rounds: int, kind: str) -> dict:
-    tallies = {c: {name: Tally() for name in engines} for c in (1, 8)}
+    tallies = {c: {name: Tally() for name in engines} for c in (1, 4, 8)}
     for i, ids in enumerate(prompts):          # concurrency 1, interleaved prompt by prompt
         for name, eng in engines.items():
             tallies[1][name].run(eng, [ids], max_tokens)
         log(f"  {kind} c=1 prompt {i + 1}/{len(prompts)}: " + ", ".join(
             f"{n} {t.tokens / t.seconds:.0f} tok/s" for n, t in tallies[1].items()))
-    for r in range(rounds):                     # concurrency 8, engines in turn each round
-        batch = ((prompts[r:] + prompts[:r]) * 8)[:8]
-        for name, eng in engines.items():
-            tallies[8][name].run(eng, batch, max_tokens)
-        log(f"  {kind} c=8 round {r + 1}/{rounds}: " + ", ".join(
-            f"{n} {t.tokens / t.seconds:.0f} tok/s" for n, t in tallies[8].items()))
+    for c in (4, 8):
+        for r in range(rounds):                 # c requests at once, engines in turn each round
+            batch = ((prompts[r:] + prompts[:r]) * c)[:c]
+            for name, eng in engines.items():
+                tallies[c][name].run(eng, batch, max_tokens)
+            log(f"  {kind} c={c} round {r + 1}/{rounds}: " + ", ".join(
+                f"{n} {t.tokens / t.seconds:.0f} tok/s" for n, t in tallies[c].items()))
     out = {}
     for c, by_name in tallies.items():
         res = {name: t.result() for name, t in by_name.items()}
@@ -158,9 +162,11 @@ def main() -> None:
     ap.add_argument("--k", type=int, nargs="+", default=[2, 4], help="num_speculative_tokens")
     ap.add_argument("--fixed", type=int, nargs="*", default=[4],
                     help="also these k without adaptation (spec_adaptive off): the old engine")
+    ap.add_argument("--unlimited", type=int, nargs="*", default=[4],
+                    help="also these k adaptive but with no spec_max_batch (the bandit alone)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=8, help="per kind at concurrency 1")
-    ap.add_argument("--rounds", type=int, default=3, help="of 8 requests at concurrency 8")
+    ap.add_argument("--rounds", type=int, default=3, help="of c requests at concurrency 4 and 8")
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench"))
     args = ap.parse_args()
     from shared.engine.tokenizer import Tokenizer
@@ -169,6 +175,7 @@ def main() -> None:
     sets = {"code": [tok.encode(p) for p in CODE_PROMPTS[:args.prompts]],
             "chat": chat_prompts(tok, args.prompts)}
     engines = {"plain": make_engine(args, 0)} | {f"k={k}": make_engine(args, k) for k in args.k}
+    engines |= {f"k={k} unlimited": make_engine(args, k, max_batch=0) for k in args.unlimited}
     engines |= {f"k={k} fixed": make_engine(args, k, adaptive=False) for k in args.fixed}
     log(f"{Path(args.model).name} + {Path(args.draft).name}, {args.dtype}, threads "
         f"{torch.get_num_threads()}, engines {list(engines)}, {args.max_tokens} tokens")
@@ -178,7 +185,7 @@ def main() -> None:
         runs[kind] = bench(engines, prompts, args.max_tokens, args.rounds, kind)
     res = {"model": Path(args.model).name, "draft": Path(args.draft).name, "dtype": args.dtype,
            "threads": torch.get_num_threads(), "max_tokens": args.max_tokens,
-           "prompts_per_kind": args.prompts, "rounds_c8": args.rounds, "k": args.k,
+           "prompts_per_kind": args.prompts, "rounds_c4_c8": args.rounds, "k": args.k,
            "runs": runs}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

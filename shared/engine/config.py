@@ -69,6 +69,11 @@ class EngineConfig:
     spec_adaptive: bool = field(default=True, metadata=_h(
         "choose each step's drafts (0..num_speculative_tokens) from the measured forward "
         "costs and accept rates (never in deterministic mode)"))
+    spec_max_batch: int = field(default=4, metadata=_h(
+        "adaptive speculation drafts only while at most this many sequences decode; a larger "
+        "batch decodes plainly and runs no draft (0: no limit; vLLM's "
+        "speculative_disable_by_batch_size). On CPU a batch of 8 pays more for k + 1 rows "
+        "per sequence than drafts save (docs/bench/spec_tiny-target.json)"))
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -90,6 +95,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
         if self.num_blocks < 0 or self.kv_cache_mb < 0 or self.threads < 0:
             raise ValueError("num_blocks, kv_cache_mb and threads must be >= 0")
+        if self.spec_max_batch < 0:
+            raise ValueError("spec_max_batch must be >= 0 (0: no limit)")
         if self.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0 (0 disables speculation)")
         if self.speculative and self.num_speculative_tokens >= self.max_num_batched_tokens:

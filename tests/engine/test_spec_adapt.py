@@ -121,6 +121,44 @@ def test_a_probe_is_not_charged_for_the_draft_catching_up(tiny_target, tiny_draf
     assert first_draft_step < 0.1, charged
 
 
+def test_over_max_batch_steps_decode_plainly_and_count_nowhere():
+    """vLLM's speculative_disable_by_batch_size: above max_batch the step takes k = 0
+    without the bandit (no exploration, no probes, no arm updated); at or below it the
+    bandit explores as usual."""
+    batch = [Seq()] * 8
+    ad = AdaptiveK(3, lambda: batch, max_batch=4)
+    got = drive(ad, lambda k: [10, 30, 20, 5][k], 100, batch=8)
+    assert got == [0] * 100 and ad.arms == {} and ad.chosen[0] == 100
+    batch[4:] = []
+    assert drive(ad, lambda k: [10, 30, 20, 5][k], 2 * TRIES, batch=4) == [0] * TRIES + [1] * TRIES
+    assert ad.arms[batch_class(4)][1].n == TRIES
+    unlimited = AdaptiveK(3, lambda: [Seq()] * 8)
+    assert drive(unlimited, lambda k: [10, 30, 20, 5][k], 2 * TRIES, batch=8)[TRIES:] == [1] * TRIES
+
+
+def test_engine_runs_no_draft_over_max_batch(tiny_target, tiny_draft, tiny_prompts, device):
+    """Five requests at once with spec_max_batch=4: no draft forward at all while five
+    decode; once three finish (max_tokens), the other two speculate again."""
+    eng = LLMEngine(EngineConfig(model=str(tiny_target), draft_model=str(tiny_draft),
+                                 num_speculative_tokens=2, num_blocks=512, threads=1,
+                                 spec_max_batch=4, device=device))
+    drafted, forward = [], eng.spec._forward
+
+    def count(items, pad):
+        drafted.append(len(items))
+        return forward(items, pad)
+    eng.spec._forward = count
+    short = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    eng.generate(tiny_prompts[:5], short)
+    assert drafted == [] and eng.counters["spec_steps"] == 0
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for i, p in enumerate(tiny_prompts[:5]):
+        eng.add_request(f"r{i}", p, short if i < 3 else long)
+    while eng.has_unfinished:
+        eng.step()
+    assert drafted and max(drafted) <= 2 and eng.counters["spec_steps"] > 0
+
+
 def test_prompt_steps_do_not_count():
     ad = AdaptiveK(1, lambda: [Seq()])
     ad.k_for(Seq())
@@ -133,7 +171,8 @@ def test_prompt_steps_do_not_count():
 def test_engine_adapts_and_greedy_output_stays(tiny_target, tiny_draft, tiny_prompts, device):
     base = dict(model=str(tiny_target), num_blocks=512, max_num_seqs=8, threads=1, device=device)
     plain = LLMEngine(EngineConfig(**base))
-    spec = LLMEngine(EngineConfig(**base, draft_model=str(tiny_draft), num_speculative_tokens=3))
+    spec = LLMEngine(EngineConfig(**base, draft_model=str(tiny_draft), num_speculative_tokens=3,
+                                  spec_max_batch=0))         # 6 sequences: the bandit itself
     assert spec.spec.adapt is not None
     fixed = LLMEngine(EngineConfig(**base, draft_model=str(tiny_draft), num_speculative_tokens=3,
                                    spec_adaptive=False))

@@ -30,6 +30,12 @@ every position it missed each time it rejoins). Before these rules, on the tiny 
 speedup over plain decoding before -> after: code c=8 0.86 -> 0.94, chat c=8 1.02 ->
 1.10, chat c=1 1.37 -> 1.35, code c=1 1.07 -> 1.03.
 
+Above spec_max_batch decoding sequences a step decodes plainly without asking the bandit
+(vLLM's speculative_disable_by_batch_size): its steps are not counted, it probes nothing,
+and the draft does not run, so it costs nothing against plain decoding. The bandit alone
+still lost 4-9% at 8 requests on CPU (probes, and the draft's catch-up each time one
+leaves plain decoding: docs/bench/spec_tiny-target.json).
+
 Deterministic mode keeps num_speculative_tokens fixed: there k may depend only on the
 sequence (runner.py), never on timing.
 """
@@ -92,14 +98,16 @@ class Klass:
 
 
 class AdaptiveK:
-    def __init__(self, k_max: int, running):
-        """running(): the sequences the scheduler runs (those decoding are the batch)."""
-        self.k_max, self.running = k_max, running
+    def __init__(self, k_max: int, running, max_batch: int = 0):
+        """running(): the sequences the scheduler runs (those decoding are the batch);
+        max_batch: above this batch steps take k = 0 uncounted (0: no limit)."""
+        self.k_max, self.running, self.max_batch = k_max, running, max_batch
         self.classes: dict[int, Klass] = {}
         self.steps = 0
         self._k: int | None = None     # this step's choice (None: not chosen yet)
         self._cls = 0
         self._probe = False
+        self._off = False               # this step is over max_batch: k = 0, not counted
         self.chosen = [0] * (k_max + 1)   # steps that chose each k (stats)
 
     @property
@@ -110,6 +118,11 @@ class AdaptiveK:
         """The step's k (the same for every sequence of the step)."""
         if self._k is None:
             b = sum(1 for s in self.running() if s.output_ids)
+            self._off = bool(self.max_batch) and b > self.max_batch
+            if self._off:
+                self._k = 0
+                self.chosen[0] += 1
+                return 0
             self._cls = batch_class(b)
             kl = self.classes.get(self._cls)
             if kl is None:
@@ -144,7 +157,7 @@ class AdaptiveK:
     def step_done(self, outs, seconds: float) -> None:
         """After engine.step: count the step against its k (unless it computed a prompt)."""
         k, self._k = self._k, None
-        if k is None or not outs:
+        if k is None or not outs or self._off:
             return
         if any(o.num_output_tokens <= len(o.new_token_ids) for o in outs):
             return                          # a first token: this step computed a prompt
@@ -159,7 +172,7 @@ class AdaptiveK:
         cfg, eng = runner.cfg, runner.engine
         if cfg.deterministic or not cfg.spec_adaptive:
             return None
-        ad = cls(cfg.num_speculative_tokens, lambda: eng.scheduler.running)
+        ad = cls(cfg.num_speculative_tokens, lambda: eng.scheduler.running, cfg.spec_max_batch)
         step = eng.step
 
         def timed_step():
