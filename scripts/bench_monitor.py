@@ -119,7 +119,7 @@ def make_engine(args) -> LLMEngine:
         model=args.model, draft_model=args.draft, num_speculative_tokens=args.k,
         dtype=args.dtype, threads=1, num_blocks=4096, block_size=16,
         max_num_seqs=args.batch, max_num_batched_tokens=1024, chunk_size=512,
-        prefix_cache=False, spec_max_batch=0))   # draft at every batch: detection measured
+        prefix_cache=False))
 
 
 def corrupt(eng: LLMEngine, r: Req) -> None:

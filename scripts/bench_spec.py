@@ -1,9 +1,9 @@
 """Speculative decoding benchmark: decode tokens/s with and without the draft, side by side.
 
   engines      the target alone, and target + draft at each k (--k 2 4: at most k drafts,
-               chosen per step by shared/engine/spec/adapt.py, none above spec_max_batch
-               (4) decoding sequences; --unlimited 4: the same without that limit, the
-               bandit alone; --fixed 4: always k)
+               chosen per step by shared/engine/spec/adapt.py; --limited 4: the same with
+               spec_max_batch --max-batch (4: no draft above 4 decoding sequences);
+               --fixed 4: always k)
   prompts      code (tests/conftest.py CODE_PROMPTS) and chat (synthetic multi-turn Q&A,
                rendered with the chat template): the draft agrees with the target on ~64%
                of code tokens and ~90% of chat tokens
@@ -162,8 +162,9 @@ def main() -> None:
     ap.add_argument("--k", type=int, nargs="+", default=[2, 4], help="num_speculative_tokens")
     ap.add_argument("--fixed", type=int, nargs="*", default=[4],
                     help="also these k without adaptation (spec_adaptive off): the old engine")
-    ap.add_argument("--unlimited", type=int, nargs="*", default=[4],
-                    help="also these k adaptive but with no spec_max_batch (the bandit alone)")
+    ap.add_argument("--limited", type=int, nargs="*", default=[4],
+                    help="also these k adaptive with spec_max_batch = --max-batch")
+    ap.add_argument("--max-batch", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=8, help="per kind at concurrency 1")
     ap.add_argument("--rounds", type=int, default=3, help="of c requests at concurrency 4 and 8")
@@ -175,7 +176,8 @@ def main() -> None:
     sets = {"code": [tok.encode(p) for p in CODE_PROMPTS[:args.prompts]],
             "chat": chat_prompts(tok, args.prompts)}
     engines = {"plain": make_engine(args, 0)} | {f"k={k}": make_engine(args, k) for k in args.k}
-    engines |= {f"k={k} unlimited": make_engine(args, k, max_batch=0) for k in args.unlimited}
+    engines |= {f"k={k} max_batch={args.max_batch}": make_engine(args, k, max_batch=args.max_batch)
+                for k in args.limited}
     engines |= {f"k={k} fixed": make_engine(args, k, adaptive=False) for k in args.fixed}
     log(f"{Path(args.model).name} + {Path(args.draft).name}, {args.dtype}, threads "
         f"{torch.get_num_threads()}, engines {list(engines)}, {args.max_tokens} tokens")

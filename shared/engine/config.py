@@ -69,11 +69,11 @@ class EngineConfig:
     spec_adaptive: bool = field(default=True, metadata=_h(
         "choose each step's drafts (0..num_speculative_tokens) from the measured forward "
         "costs and accept rates (never in deterministic mode)"))
-    spec_max_batch: int = field(default=4, metadata=_h(
+    spec_max_batch: int = field(default=0, metadata=_h(
         "adaptive speculation drafts only while at most this many sequences decode; a larger "
-        "batch decodes plainly and runs no draft (0: no limit; vLLM's "
-        "speculative_disable_by_batch_size). On CPU a batch of 8 pays more for k + 1 rows "
-        "per sequence than drafts save (docs/bench/spec_tiny-target.json)"))
+        "batch decodes plainly and runs no draft (0: no limit, vLLM's default for its "
+        "speculative_disable_by_batch_size). The anomaly monitor sees only steps that "
+        "drafted, so a limit trades detection for speed"))
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

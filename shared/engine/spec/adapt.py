@@ -30,11 +30,12 @@ every position it missed each time it rejoins). Before these rules, on the tiny 
 speedup over plain decoding before -> after: code c=8 0.86 -> 0.94, chat c=8 1.02 ->
 1.10, chat c=1 1.37 -> 1.35, code c=1 1.07 -> 1.03.
 
-Above spec_max_batch decoding sequences a step decodes plainly without asking the bandit
-(vLLM's speculative_disable_by_batch_size): its steps are not counted, it probes nothing,
-and the draft does not run, so it costs nothing against plain decoding. The bandit alone
-still lost 4-9% at 8 requests on CPU (probes, and the draft's catch-up each time one
-leaves plain decoding: docs/bench/spec_tiny-target.json).
+Above spec_max_batch decoding sequences (when set; vLLM's speculative_disable_by_batch_size)
+a step decodes plainly without asking the bandit: its steps are not counted, it probes
+nothing, and the draft does not run. Off by default: at 8 requests the bandit alone
+lost 4-9% on one day's CPU (code 0.91, chat 0.96) and on a slower day gave code 0.97,
+chat 1.27 (docs/bench/spec_tiny-target.json), and a step without drafts is one the
+anomaly monitor cannot judge.
 
 Deterministic mode keeps num_speculative_tokens fixed: there k may depend only on the
 sequence (runner.py), never on timing.
