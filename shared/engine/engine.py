@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 import random
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -295,6 +296,13 @@ class LLMEngine:
 
     # ---- one step -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t = time.perf_counter()
+        outs = self._step()
+        if self.spec is not None:         # adaptive speculation times whole steps
+            self.spec.step_done(outs, time.perf_counter() - t)
+        return outs
+
+    def _step(self) -> list[RequestOutput]:
         with self.lock:
             batch = self.scheduler.schedule()
             if not batch:

@@ -42,8 +42,6 @@ sequence (runner.py), never on timing.
 """
 from __future__ import annotations
 
-import time
-
 TRIES = 2              # steps each k gets in a batch class before the bandit chooses
 PROBE_EVERY = 16       # then one step in this many tries a neighbour of the best k (every
 STALEST_EVERY = 4      # this many probes: the k tried least recently), while the best is
@@ -167,20 +165,10 @@ class AdaptiveK:
         arm.last = self.steps
 
     @classmethod
-    def attach(cls, runner) -> "AdaptiveK | None":
+    def for_runner(cls, runner) -> "AdaptiveK | None":
         """For a SpecRunner: None when k stays fixed (deterministic mode, or the engine's
-        spec_adaptive off); else timing every engine step."""
+        spec_adaptive off). The runner feeds it every timed engine step (step_done)."""
         cfg, eng = runner.cfg, runner.engine
         if cfg.deterministic or not cfg.spec_adaptive:
             return None
-        ad = cls(cfg.num_speculative_tokens, lambda: eng.scheduler.running, cfg.spec_max_batch)
-        step = eng.step
-
-        def timed_step():
-            t = time.perf_counter()
-            outs = step()
-            ad.step_done(outs, time.perf_counter() - t - runner.stale_s)
-            return outs
-
-        eng.step = timed_step
-        return ad
+        return cls(cfg.num_speculative_tokens, lambda: eng.scheduler.running, cfg.spec_max_batch)

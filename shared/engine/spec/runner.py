@@ -94,7 +94,7 @@ class SpecRunner:
         self.catch_up = self.cfg.chunk_size * ratio
         if self.cfg.deterministic:     # one padded forward
             self.catch_up = min(self.catch_up, self.cfg.max_num_batched_tokens)
-        self.adapt = AdaptiveK.attach(self)   # k per step (adapt.py); None: fixed
+        self.adapt = AdaptiveK.for_runner(self)   # k per step (adapt.py); None: fixed
         self.stale_s = 0.0      # this step's draft catch-up over positions decoded plainly
 
     def lookahead(self, seq: Sequence) -> int:
@@ -103,6 +103,13 @@ class SpecRunner:
         return max(0, min(self.adapt.k_for(seq) if self.adapt else self.cfg.num_speculative_tokens,
                           seq.params.max_tokens - len(seq.output_ids) - 1,
                           self.engine.max_model_len - seq.num_tokens - 1))
+
+    def step_done(self, outs, seconds: float) -> None:
+        """After each engine step (seconds: all of it): adaptive k counts it, less this
+        step's draft catch-up over positions decoded plainly (stale_s)."""
+        if self.adapt is not None:
+            self.adapt.step_done(outs, seconds - self.stale_s)
+        self.stale_s = 0.0
 
     # ---- propose ------------------------------------------------------------------
     def propose(self, batch: list[Scheduled]) -> None:
