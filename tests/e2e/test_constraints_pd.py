@@ -118,25 +118,32 @@ async def submit_and_collect(nc, decode_iid, prompt_ids, params, constraint, pat
     return toks, text, c.finish_reason
 
 
-def run_cases(mesh, tiny_tokenizer, n: int, seed: int = 0):
+def run_cases(mesh, tiny_tokenizer, n: int, seed: int = 0, at_once: int = 8):
+    """n cases, each over PD and colocated; at_once cases in flight (deterministic mode:
+    batch composition does not change the tokens, so the cases share batches)."""
     rng = random.Random(seed)
     asks = ["What's the weather in Paris?", "Book me a flight to Rome.", "Wake me at 7.",
             "Find papers about NATS.", "Describe yourself as JSON."]
+    cases = []
+    for i, (c, tools) in zip(range(n), constraints(rng)):
+        msgs = [{"role": "user", "content": rng.choice(asks)}]
+        ids = tiny_tokenizer.encode_chat(msgs, tools=tools or None)
+        params = (SamplingParams(temperature=0.0, max_tokens=48) if i % 2 == 0 else
+                  SamplingParams(temperature=0.9, top_p=0.95, seed=1000 + i, max_tokens=48))
+        cases.append((c, tools, ids, params))
 
     async def run():
         nc = await nats.connect(mesh.nats_url)
         iid = mesh.procs["decode-0"].instance_id
-        out = []
-        for i, (c, tools) in zip(range(n), constraints(rng)):
-            msgs = [{"role": "user", "content": rng.choice(asks)}]
-            ids = tiny_tokenizer.encode_chat(msgs, tools=tools or None)
-            params = (SamplingParams(temperature=0.0, max_tokens=48) if i % 2 == 0 else
-                      SamplingParams(temperature=0.9, top_p=0.95, seed=1000 + i, max_tokens=48))
-            got = {}
-            for path in (Path.PD, Path.COLOCATED):
-                got[path] = await submit_and_collect(nc, iid, ids, params, c, path,
-                                                     tiny_tokenizer.fingerprint)
-            out.append((c, tools, got))
+        gate = asyncio.Semaphore(at_once)
+
+        async def one(c, tools, ids, params):
+            async with gate:
+                pd, co = await asyncio.gather(*(
+                    submit_and_collect(nc, iid, ids, params, c, path, tiny_tokenizer.fingerprint)
+                    for path in (Path.PD, Path.COLOCATED)))
+            return c, tools, {Path.PD: pd, Path.COLOCATED: co}
+        out = await asyncio.gather(*(one(*case) for case in cases))
         await nc.close()
         return out
 
