@@ -24,19 +24,27 @@ def cases(prompts):
 
 def test_pd_equals_colocated_equals_engine(mesh, tiny_target, tiny_prompts):
     eng = reference_engine(tiny_target)
+    todo = cases(tiny_prompts)
+    want = [eng.generate([p], SamplingParams(ignore_eos=True, **kw))[0]["token_ids"]
+            for p, kw in todo]
     before = asyncio.run(micro_stats(mesh.nats_url, "decode"))
 
     async def run():
+        gate = asyncio.Semaphore(4)      # a few at once: deterministic mode, tokens unchanged
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(60)) as http:
-            for prompt, kw in cases(tiny_prompts):
-                want = eng.generate([prompt], SamplingParams(ignore_eos=True, **kw))[0]["token_ids"]
-                for path in ("pd", "colocated"):
-                    got, headers = await complete(http, mesh.url, prompt, path=path,
-                                                  ignore_eos=True, **kw)
-                    assert headers["x-pdmesh-path"] == path
-                    assert got == want, (path, kw)
+            async def one(prompt, kw, path):
+                async with gate:
+                    return await complete(http, mesh.url, prompt, path=path, ignore_eos=True,
+                                          **kw)
+            return await asyncio.gather(*(one(p, kw, path) for p, kw in todo
+                                          for path in ("pd", "colocated")))
 
-    asyncio.run(run())
+    got = iter(asyncio.run(run()))
+    for (_, kw), w in zip(todo, want):
+        for path in ("pd", "colocated"):
+            toks, headers = next(got)
+            assert headers["x-pdmesh-path"] == path
+            assert toks == w, (path, kw)
     after = asyncio.run(micro_stats(mesh.nats_url, "decode"))
     assert after["pd"] - before["pd"] >= 20
     assert after["kv_writes_applied"] > before["kv_writes_applied"]
