@@ -58,13 +58,12 @@ def chat_prompts(tok, n: int, seed: int = 7) -> list[list[int]]:
     return out
 
 
-def make_engine(args, k: int, adaptive: bool = True, max_batch: int | None = None) -> LLMEngine:
-    limit = {} if max_batch is None else {"spec_max_batch": max_batch}
+def make_engine(args, k: int, adaptive: bool = True, max_batch: int = 0) -> LLMEngine:
     eng = LLMEngine(EngineConfig(
         model=args.model, dtype=args.dtype, num_blocks=2048, block_size=16, max_num_seqs=8,
         max_num_batched_tokens=512, chunk_size=512, threads=1,
         draft_model=args.draft if k else None, num_speculative_tokens=k,
-        spec_adaptive=adaptive, **limit))
+        spec_adaptive=adaptive, spec_max_batch=max_batch))
     eng.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
     return eng
 

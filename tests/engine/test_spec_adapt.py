@@ -171,8 +171,7 @@ def test_prompt_steps_do_not_count():
 def test_engine_adapts_and_greedy_output_stays(tiny_target, tiny_draft, tiny_prompts, device):
     base = dict(model=str(tiny_target), num_blocks=512, max_num_seqs=8, threads=1, device=device)
     plain = LLMEngine(EngineConfig(**base))
-    spec = LLMEngine(EngineConfig(**base, draft_model=str(tiny_draft), num_speculative_tokens=3,
-                                  spec_max_batch=0))         # 6 sequences: the bandit itself
+    spec = LLMEngine(EngineConfig(**base, draft_model=str(tiny_draft), num_speculative_tokens=3))
     assert spec.spec.adapt is not None
     fixed = LLMEngine(EngineConfig(**base, draft_model=str(tiny_draft), num_speculative_tokens=3,
                                    spec_adaptive=False))
