@@ -8,6 +8,10 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /app
 
+# g++ builds the C++ CPU ops (kernels/cpu_int8) for the CPU the image runs on
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+ && rm -rf /var/lib/apt/lists/*
+
 # torch first, from the CPU index: the default index would pull a multi-GB CUDA build.
 # The constraint keeps anything in requirements.txt from replacing it.
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
@@ -23,7 +27,7 @@ COPY pdmesh pdmesh
 COPY shared shared
 COPY services services
 COPY kernels kernels
-RUN pip install --no-deps -e .
+RUN pip install --no-deps -e . && python -m kernels.cpu_int8
 
 # the default model, converted once at build time (HF layout: safetensors + tokenizer)
 RUN python -m shared.engine.gguf_convert --out /models/SmolLM2-135M-Instruct

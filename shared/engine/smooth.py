@@ -90,7 +90,7 @@ class SmoothedWeight:
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] >= A8_MIN_ROWS and not x.is_cuda:
-            return self.i8.mm(x * self.inv.to(x.dtype))
+            return self.i8.mm_a8(x, self.inv)
         return self.base.mm(x)
 
     def dequantize(self) -> torch.Tensor:

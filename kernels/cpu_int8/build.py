@@ -1,0 +1,77 @@
+"""The C++ extension (ops.cpp), built once per source, torch version and CPU.
+
+torch.utils.cpp_extension compiles it with -O3 -march=native into
+~/.cache/pdmesh/ext/ (PDMESH_EXT_DIR), keyed by a digest of the source, the torch version
+and this CPU's flags, so a copy built on another processor is never loaded. `make venv`
+builds it (`python -m kernels.cpu_int8`); a process that finds no build compiles it then
+(~1 min on 2 cores; concurrent processes wait on torch's lock in that folder). No compiler,
+or PDMESH_CPU_EXT=0: load() returns None and the callers use the torch reference.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("pdmesh.kernels")
+SOURCE = Path(__file__).with_name("ops.cpp")
+_cache: dict[str, object] = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def build_dir() -> Path:
+    digest = hashlib.sha256(SOURCE.read_bytes() + Path(__file__).read_bytes()
+                            + torch.__version__.encode()
+                            + _cpu_flags().encode()).hexdigest()[:16]
+    root = Path(os.environ.get("PDMESH_EXT_DIR", Path.home() / ".cache" / "pdmesh" / "ext"))
+    return root / f"cpu_int8-{digest}"
+
+
+def enabled() -> bool:
+    return os.environ.get("PDMESH_CPU_EXT", "1") not in ("0", "false", "no")
+
+
+def load():
+    """The compiled module (quant_rows, dequant_rows), or None (off, or the build failed:
+    logged once)."""
+    if "mod" in _cache:
+        return _cache["mod"]
+    mod = None
+    if enabled():
+        import sys
+
+        from torch.utils import cpp_extension
+
+        # ninja comes with the venv (requirements.txt): found on PATH by cpp_extension
+        bindir = str(Path(sys.executable).parent)
+        if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+        out = build_dir()
+        out.mkdir(parents=True, exist_ok=True)
+        t = time.perf_counter()
+        fresh = not any(out.glob("*.so"))
+        if fresh:
+            log.info("building the C++ CPU ops in %s (once)", out)
+        try:
+            mod = cpp_extension.load(name="pdmesh_cpu_int8", sources=[str(SOURCE)],
+                                     build_directory=str(out),
+                                     extra_cflags=["-O3", "-march=native"], verbose=False)
+            if fresh:
+                log.info("C++ CPU ops built in %.1fs", time.perf_counter() - t)
+        except Exception as e:  # noqa: BLE001 - no compiler / ninja: the torch path serves
+            log.warning("C++ CPU ops unavailable (%s); using the torch path", e)
+    _cache["mod"] = mod
+    return mod

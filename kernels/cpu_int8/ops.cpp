@@ -1,0 +1,146 @@
+// W8A8 on the CPU: the activation side of an int8 GEMM in one pass each way.
+//
+// quant_rows: x [M, K] (float32 | bfloat16 | float16), optionally times a per-channel
+//   factor (SmoothQuant's 1/s, in x's dtype, the product rounded to x's dtype as torch's
+//   `x * inv` does) -> int8 codes and one float32 scale per row (symmetric, amax / 127,
+//   round half to even, clamp to +-127); u8: each code + 128 as uint8, the activations
+//   of oneDNN's u8s8 qlinear with zero point 128.
+// dequant_rows: the GEMM result [M, N] (int32, or its exact float32 from oneDNN) times sx[m] * sw[n] (float32, in that order)
+//   -> x's dtype.
+// Each is the same arithmetic as the torch reference in ref.py, element by element, so
+// the results are bit for bit the same; only the ~10 passes over memory become one.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstring>
+#include <vector>
+#include <tuple>
+#include <type_traits>
+
+namespace {
+
+// float <-> element conversions that vectorize: bfloat16 by its bits (round half to even,
+// as c10::BFloat16 rounds; NaN stays NaN), the rest by their own casts
+template <typename T> inline float to_f(T v) { return static_cast<float>(v); }
+template <typename T> inline T from_f(float f) { return static_cast<T>(f); }
+template <> inline float to_f(c10::BFloat16 v) {
+  uint32_t b = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+template <> inline c10::BFloat16 from_f(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  uint32_t r = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+  r = (f != f) ? 0x7FC0u : r;
+  return c10::BFloat16(static_cast<uint16_t>(r), c10::BFloat16::from_bits());
+}
+
+// one row: codes and scale (loops written so that gcc vectorizes them: restrict pointers,
+// ternary clamps)
+template <typename T, typename Q>
+float quant_row(const T* __restrict row, const T* __restrict inv, int64_t K,
+                float* __restrict b, Q* __restrict qr) {
+  for (int64_t k = 0; k < K; ++k) b[k] = to_f(row[k]);
+  if (inv) {
+    for (int64_t k = 0; k < K; ++k) b[k] = to_f(from_f<T>(b[k] * to_f(inv[k])));
+  }
+  // max |b| on the bits: for floats without their sign, integer order is float order (a
+  // NaN's bits are above infinity's, so a NaN row stays NaN, as torch's amax); an integer
+  // max reduction vectorizes where a float one does not
+  uint32_t abits = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    uint32_t u;
+    std::memcpy(&u, b + k, 4);
+    u &= 0x7FFFFFFFu;
+    abits = u > abits ? u : abits;
+  }
+  float amax;
+  std::memcpy(&amax, &abits, 4);
+  const float s = (amax > 1e-8f || amax != amax ? amax : 1e-8f) / 127.0f;
+  for (int64_t k = 0; k < K; ++k) {
+    // |b / s| <= 127 (+ rounding): adding and taking away 1.5 * 2^23 rounds half to
+    // even, as torch.round does
+    float r = (b[k] / s + 12582912.0f) - 12582912.0f;
+    r = r < -127.f ? -127.f : (r > 127.f ? 127.f : r);
+    // uint8: the code + 128 (oneDNN's u8 activations with zero point 128)
+    qr[k] = static_cast<Q>(static_cast<int32_t>(r) + (std::is_same_v<Q, uint8_t> ? 128 : 0));
+  }
+  return s;
+}
+
+template <typename T, typename Q>
+void quant_kernel(const T* x, const T* inv, int64_t M, int64_t K, Q* q, float* sx) {
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    std::vector<float> buf(K);
+    for (int64_t m = m0; m < m1; ++m) sx[m] = quant_row(x + m * K, inv, K, buf.data(), q + m * K);
+  });
+}
+
+template <typename A, typename T>
+void dequant_row(const A* __restrict ar, float a, const float* __restrict sw, int64_t N,
+                 T* __restrict o) {
+  for (int64_t n = 0; n < N; ++n) o[n] = from_f<T>(static_cast<float>(ar[n]) * (a * sw[n]));
+}
+
+template <typename A, typename T>
+void dequant_kernel(const A* acc, const float* sx, const float* sw, int64_t M,
+                    int64_t N, T* out) {
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) dequant_row(acc + m * N, sx[m], sw, N, out + m * N);
+  });
+}
+
+}  // namespace
+
+std::tuple<torch::Tensor, torch::Tensor> quant_rows(const torch::Tensor& x,
+                                                    const c10::optional<torch::Tensor>& inv,
+                                                    bool u8) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "quant_rows: x must be a 2-D CPU tensor");
+  auto xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1);
+  torch::Tensor invc;
+  if (inv.has_value()) {
+    invc = inv->to(xc.scalar_type()).contiguous();
+    TORCH_CHECK(invc.dim() == 1 && invc.size(0) == K, "quant_rows: inv must be [K]");
+  }
+  auto q = torch::empty({M, K}, xc.options().dtype(u8 ? torch::kUInt8 : torch::kInt8));
+  auto sx = torch::empty({M, 1}, xc.options().dtype(torch::kFloat32));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "quant_rows", [&] {
+    const scalar_t* iv = invc.defined() ? invc.data_ptr<scalar_t>() : nullptr;
+    if (u8)
+      quant_kernel(xc.data_ptr<scalar_t>(), iv, M, K, q.data_ptr<uint8_t>(), sx.data_ptr<float>());
+    else
+      quant_kernel(xc.data_ptr<scalar_t>(), iv, M, K, q.data_ptr<int8_t>(), sx.data_ptr<float>());
+  });
+  return {q, sx};
+}
+
+torch::Tensor dequant_rows(const torch::Tensor& acc, const torch::Tensor& sx,
+                           const torch::Tensor& sw, at::ScalarType dtype) {
+  TORCH_CHECK(acc.dim() == 2 && (acc.scalar_type() == torch::kInt32 ||
+                                 acc.scalar_type() == torch::kFloat32),
+              "dequant_rows: acc int32 or float32 [M, N]");
+  TORCH_CHECK(sx.scalar_type() == torch::kFloat32 && sw.scalar_type() == torch::kFloat32,
+              "dequant_rows: float32 scales");
+  auto ac = acc.contiguous(), sxc = sx.contiguous(), swc = sw.contiguous();
+  const int64_t M = ac.size(0), N = ac.size(1);
+  TORCH_CHECK(sxc.numel() == M && swc.numel() == N, "dequant_rows: scales of [M] and [N]");
+  auto out = torch::empty({M, N}, ac.options().dtype(dtype));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "dequant_rows", [&] {
+    if (ac.scalar_type() == torch::kInt32)
+      dequant_kernel(ac.data_ptr<int32_t>(), sxc.data_ptr<float>(), swc.data_ptr<float>(), M, N,
+                     out.data_ptr<scalar_t>());
+    else
+      dequant_kernel(ac.data_ptr<float>(), sxc.data_ptr<float>(), swc.data_ptr<float>(), M, N,
+                     out.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quant_rows", &quant_rows, "int8 (or uint8 + 128) rows + float32 row scales",
+        py::arg("x"), py::arg("inv") = py::none(), py::arg("u8") = false);
+  m.def("dequant_rows", &dequant_rows, "int32 GEMM result * sx[m] * sw[n] -> dtype");
+}

@@ -1,0 +1,97 @@
+"""The C++ W8A8 activation ops (kernels/cpu_int8/ops.cpp) give the torch reference's bits:
+codes, row scales and the scaled-back GEMM result, on odd shapes, in every dtype, with and
+without SmoothQuant's factor, on rows with ties, zeros and outliers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.cpu_int8 import dequant_rows_ref, load, quant_rows_ref
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(scope="module")
+def ext():
+    mod = load()
+    if mod is None:
+        pytest.fail("the C++ CPU ops did not build (make venv builds them; see the log)")
+    return mod
+
+
+def rows(M, K, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g) * torch.rand(M, 1, generator=g) * 4
+    x[0, :3] = torch.tensor([127.0, -63.5, 0.5])      # exact ties after the scaling
+    if M > 2:
+        x[1] = 0.0                                      # an all-zero row: scale 1e-8 / 127
+        x[2, K // 2] = 300.0                            # one outlier channel
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,K", [(1, 7), (6, 576), (17, 1536), (33, 100)])
+@pytest.mark.parametrize("smooth", [False, True])
+def test_quant_rows_gives_the_reference_bits(ext, dtype, M, K, smooth):
+    x = rows(M, K, dtype, seed=M * K)
+    inv = None
+    if smooth:   # powers of two, as smoothing() makes them
+        e = torch.randint(-4, 5, (K,), generator=torch.Generator().manual_seed(K))
+        inv = torch.exp2(e.float()).to(torch.bfloat16 if dtype == torch.float32 else dtype)
+    q, sx = ext.quant_rows(x, inv)
+    rq, rsx = quant_rows_ref(x, inv)
+    assert q.dtype == torch.int8 and sx.dtype == torch.float32 and sx.shape == (M, 1)
+    assert torch.equal(q, rq)
+    assert torch.equal(sx, rsx)
+    u, usx = ext.quant_rows(x, inv, u8=True)         # oneDNN's u8 activations: code + 128
+    assert u.dtype == torch.uint8 and torch.equal(usx, rsx)
+    assert torch.equal(u.to(torch.int16) - 128, rq.to(torch.int16))
+    assert torch.equal(u, quant_rows_ref(x, inv, u8=True)[0])
+
+
+def test_quant_rows_takes_a_strided_input(ext):
+    x = rows(8, 64, torch.bfloat16, 1).T.contiguous().T      # column-major view
+    q, sx = ext.quant_rows(x, None)
+    rq, rsx = quant_rows_ref(x)
+    assert torch.equal(q, rq) and torch.equal(sx, rsx)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,N", [(1, 5), (6, 832), (16, 3072), (31, 49)])
+@pytest.mark.parametrize("float_acc", [False, True])
+def test_dequant_rows_gives_the_reference_bits(ext, dtype, M, N, float_acc):
+    g = torch.Generator().manual_seed(M + N)
+    acc = torch.randint(-(1 << 26), 1 << 26, (M, N), generator=g, dtype=torch.int32)
+    if float_acc:                                   # oneDNN's exact float32 of the sums
+        acc = acc.float()
+    sx = torch.rand(M, 1, generator=g) / 127
+    sw = torch.rand(N, generator=g) / 127
+    out = ext.dequant_rows(acc, sx, sw, dtype)
+    assert out.dtype == dtype
+    assert torch.equal(out, dequant_rows_ref(acc, sx, sw, dtype))
+
+
+@pytest.mark.parametrize("M", [6, 16, 100])
+def test_the_prepacked_int8_gemm_gives_the_unpacked_bits(ext, M):
+    """W8A8 through oneDNN's prepacked qlinear (what Int8Weight uses) equals torch._int_mm
+    on the plain weight with the reference quantization, bit for bit."""
+    from shared.engine.quant import Int8Weight
+
+    w = torch.randn(96, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    x = rows(M, 64, torch.bfloat16, 4)
+    lin = Int8Weight(w, a8=True)
+    assert lin.packed is not None, "this torch has no oneDNN qlinear: the slower path serves"
+    xq, sx = quant_rows_ref(x)
+    ref = dequant_rows_ref(torch._int_mm(xq, lin.q.T), sx, lin.scale_f, x.dtype)
+    assert torch.equal(lin.mm(x), ref)
+    # and it is a matmul: close to x @ w.T
+    exact = x.float() @ w.float().T
+    assert (lin.mm(x).float() - exact).norm() / exact.norm() < 0.02
+
+
+def test_bad_shapes_are_refused(ext):
+    with pytest.raises(RuntimeError, match="inv must be"):
+        ext.quant_rows(torch.ones(2, 8), torch.ones(7))
+    with pytest.raises(RuntimeError, match="acc int32 or float32"):
+        ext.dequant_rows(torch.ones(2, 8, dtype=torch.int16), torch.ones(2, 1), torch.ones(8),
+                         torch.float32)
