@@ -8,7 +8,7 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /app
 
-# g++ builds the C++ CPU ops (kernels/cpu_int8) for the CPU the image runs on
+# g++ builds the C++ CPU ops (kernels/cpu_ops) for the CPU the image runs on
 RUN apt-get update && apt-get install -y --no-install-recommends g++ \
  && rm -rf /var/lib/apt/lists/*
 
@@ -27,7 +27,7 @@ COPY pdmesh pdmesh
 COPY shared shared
 COPY services services
 COPY kernels kernels
-RUN pip install --no-deps -e . && python -m kernels.cpu_int8
+RUN pip install --no-deps -e . && python -m kernels.cpu_ops
 
 # the default model, converted once at build time (HF layout: safetensors + tokenizer)
 RUN python -m shared.engine.gguf_convert --out /models/SmolLM2-135M-Instruct

@@ -24,7 +24,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_int8 import dequant_rows, quant_rows
+from kernels.cpu_ops import dequant_rows, quant_rows
 
 MODES = ("", "int8", "int4")
 A8_MIN_ROWS = 6        # act_int8: forwards of at least this many rows take int8 activations
@@ -71,7 +71,7 @@ class Int8Weight:
 
     def mm_a8(self, x: torch.Tensor, inv: torch.Tensor | None = None) -> torch.Tensor:
         """(x * inv) @ w.T on int8 activations (per-row scales): one pass to quantize, the
-        int8 GEMM, one pass to scale back (kernels/cpu_int8: C++ when built, else torch;
+        int8 GEMM, one pass to scale back (kernels/cpu_ops: C++ when built, else torch;
         the same bits either way)."""
         if self.packed is None:
             xq, sx = quant_rows(x, inv)

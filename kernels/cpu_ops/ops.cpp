@@ -1,4 +1,5 @@
-// W8A8 on the CPU: the activation side of an int8 GEMM in one pass each way.
+// CPU ops in C++ where torch takes several passes over memory for one: the activation
+// side of a W8A8 GEMM (one pass each way) and the decode attention's K/V gather.
 //
 // quant_rows: x [M, K] (float32 | bfloat16 | float16), optionally times a per-channel
 //   factor (SmoothQuant's 1/s, in x's dtype, the product rounded to x's dtype as torch's
@@ -139,8 +140,48 @@ torch::Tensor dequant_rows(const torch::Tensor& acc, const torch::Tensor& sx,
   return out;
 }
 
+// gather_heads_f32: blocks `tables` [B * nb] of a paged cache [NB, BS, H, D] as float32,
+// heads first: out[b, h, l, :] = cache[tables[b * nb + l / BS], l % BS, h, :], l < nb * BS,
+// i.e. cache.index_select(0, tables).view(B, L, H, D).transpose(1, 2).float().contiguous()
+// in one pass (the decode attention's K and V; an exact conversion, so the same bits).
+torch::Tensor gather_heads_f32(const torch::Tensor& cache, const torch::Tensor& tables,
+                               int64_t B) {
+  TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous() && cache.device().is_cpu(),
+              "gather_heads_f32: cache must be a contiguous [NB, BS, H, D] CPU tensor");
+  TORCH_CHECK(tables.dim() == 1 && tables.scalar_type() == torch::kLong && B > 0 &&
+                  tables.numel() % B == 0,
+              "gather_heads_f32: tables must be int64 [B * nb]");
+  auto tc = tables.contiguous();
+  const int64_t NB = cache.size(0), BS = cache.size(1), H = cache.size(2), D = cache.size(3);
+  const int64_t nb = tc.numel() / B, L = nb * BS;
+  const int64_t* t = tc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < tc.numel(); ++i)
+    TORCH_CHECK(t[i] >= 0 && t[i] < NB, "gather_heads_f32: block id out of range");
+  auto out = torch::empty({B, H, L, D}, cache.options().dtype(torch::kFloat32));
+  float* o = out.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, cache.scalar_type(), "gather_heads", [&] {
+    const scalar_t* c = cache.data_ptr<scalar_t>();
+    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        for (int64_t j = 0; j < nb; ++j) {
+          const scalar_t* blk = c + t[b * nb + j] * BS * H * D;
+          for (int64_t s = 0; s < BS; ++s) {
+            for (int64_t h = 0; h < H; ++h) {
+              const scalar_t* __restrict src = blk + (s * H + h) * D;
+              float* __restrict dst = o + ((b * H + h) * L + j * BS + s) * D;
+              for (int64_t d = 0; d < D; ++d) dst[d] = to_f(src[d]);
+            }
+          }
+        }
+      }
+    });
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_rows", &quant_rows, "int8 (or uint8 + 128) rows + float32 row scales",
         py::arg("x"), py::arg("inv") = py::none(), py::arg("u8") = false);
+  m.def("gather_heads_f32", &gather_heads_f32, "paged blocks -> [B, H, L, D] float32");
   m.def("dequant_rows", &dequant_rows, "int32 GEMM result * sx[m] * sw[n] -> dtype");
 }

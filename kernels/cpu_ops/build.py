@@ -3,7 +3,7 @@
 torch.utils.cpp_extension compiles it with -O3 -march=native into
 ~/.cache/pdmesh/ext/ (PDMESH_EXT_DIR), keyed by a digest of the source, the torch version
 and this CPU's flags, so a copy built on another processor is never loaded. `make venv`
-builds it (`python -m kernels.cpu_int8`); a process that finds no build compiles it then
+builds it (`python -m kernels.cpu_ops`); a process that finds no build compiles it then
 (~1 min on 2 cores; concurrent processes wait on torch's lock in that folder). No compiler,
 or PDMESH_CPU_EXT=0: load() returns None and the callers use the torch reference.
 """
@@ -37,7 +37,7 @@ def build_dir() -> Path:
                             + torch.__version__.encode()
                             + _cpu_flags().encode()).hexdigest()[:16]
     root = Path(os.environ.get("PDMESH_EXT_DIR", Path.home() / ".cache" / "pdmesh" / "ext"))
-    return root / f"cpu_int8-{digest}"
+    return root / f"cpu_ops-{digest}"
 
 
 def enabled() -> bool:
@@ -66,7 +66,7 @@ def load():
         if fresh:
             log.info("building the C++ CPU ops in %s (once)", out)
         try:
-            mod = cpp_extension.load(name="pdmesh_cpu_int8", sources=[str(SOURCE)],
+            mod = cpp_extension.load(name="pdmesh_cpu_ops", sources=[str(SOURCE)],
                                      build_directory=str(out),
                                      extra_cflags=["-O3", "-march=native"], verbose=False)
             if fresh:
