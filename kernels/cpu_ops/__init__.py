@@ -8,7 +8,8 @@ from kernels.cpu_ops.build import load
 from kernels.cpu_ops.ref import dequant_rows_ref, gather_heads_f32_ref, quant_rows_ref
 
 __all__ = ["quant_rows", "dequant_rows", "gather_heads_f32", "quant_rows_ref",
-           "dequant_rows_ref", "gather_heads_f32_ref", "load"]
+           "dequant_rows_ref", "gather_heads_f32_ref", "decode_attention", "row_attention",
+           "load"]
 
 
 def quant_rows(x: torch.Tensor, inv: torch.Tensor | None = None, u8: bool = False):
@@ -31,3 +32,27 @@ def gather_heads_f32(cache: torch.Tensor, tables: torch.Tensor, B: int) -> torch
     if mod is None or cache.is_cuda or not cache.is_contiguous():
         return gather_heads_f32_ref(cache, tables, B)
     return mod.gather_heads_f32(cache, tables, B)
+
+
+def _in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    return (not q.is_cuda and k.is_contiguous() and v.is_contiguous()
+            and k.dtype == q.dtype == v.dtype)
+
+
+def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float):
+    """Decode attention read in place from the paged cache (ops.cpp: paged_decode), or None
+    where the extension is off or the inputs do not suit it (the caller's torch path
+    serves). Float32 math: the torch path's result up to the last bits."""
+    mod = load()
+    if mod is None or not _in_place(q, k_cache, v_cache):
+        return None
+    return mod.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def row_attention(q, kf, vf, slots: torch.Tensor, scale: float):
+    """One decode row q [Hq, D] over flat slots of kf/vf [NS, Hkv, D] (ops.cpp:
+    slots_decode) -> [Hq, D], or None (as decode_attention)."""
+    mod = load()
+    if mod is None or not _in_place(q, kf, vf):
+        return None
+    return mod.slots_decode(q, kf, vf, slots, scale)

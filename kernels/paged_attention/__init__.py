@@ -1,6 +1,8 @@
-"""Paged-attention decode: Triton on CUDA tensors, torch reference elsewhere."""
+"""Paged-attention decode: Triton on CUDA tensors; on CPU the C++ op (kernels/cpu_ops) when
+built, else the torch reference."""
 import torch
 
+from kernels.cpu_ops import decode_attention
 from kernels.paged_attention.kernel import paged_attention_decode_triton
 from kernels.paged_attention.ref import DecodePlan, paged_attention_decode_ref, plan_decode
 
@@ -15,5 +17,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # context_lens: [B] int32; plan: the CPU path's per-forward gather indices (optional)
     if q.is_cuda:
         return paged_attention_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
+    out = decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    if out is not None:      # C++ (kernels/cpu_ops), read in place
+        return out
     return paged_attention_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale,
                                       plan)

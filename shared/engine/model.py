@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_ops import row_attention
 from kernels.kv_cache import plan_slots, write_kv
 from kernels.paged_attention import paged_attention_decode, plan_decode
 
@@ -233,7 +234,11 @@ class Model:
         """One query row (a decode step) over its context, [1, Hq, D]: two float32 bmms
         over the kv heads, on strided views of the gathered K/V. On CPU (SmolLM2's heads,
         bf16 KV, one thread) 2.6-4.2x faster than scaled_dot_product_attention for one
-        row: 109 -> 42 us a layer at 100 tokens of context, 282 -> 67 us at 300."""
+        row: 109 -> 42 us a layer at 100 tokens of context, 282 -> 67 us at 300. The C++
+        op (kernels/cpu_ops) reads K/V in place instead: 86 -> 41 us at 100 (bfloat16)."""
+        out = row_attention(q, kf, vf, ctx_slots, self.scale)
+        if out is not None:
+            return out.unsqueeze(0)
         Hkv, D = kf.shape[1], kf.shape[2]
         ks = kf.index_select(0, ctx_slots).float()                 # [ctx, Hkv, D]
         vs = vf.index_select(0, ctx_slots).float()

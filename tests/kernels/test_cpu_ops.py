@@ -115,3 +115,65 @@ def test_gather_heads_refuses_a_block_outside_the_cache(ext):
         ext.gather_heads_f32(cache, torch.tensor([0, 4]), 1)
     with pytest.raises(RuntimeError, match="tables must be int64"):
         ext.gather_heads_f32(cache, torch.tensor([0, 1, 2]), 2)
+
+
+# ---- decode attention read in place (close to the torch path, not its bits) --------------
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def paged_case(B, Hq, Hkv, D, BS, lens, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    NB = 64
+    kc = torch.randn(NB, BS, Hkv, D, generator=g).to(dtype)
+    vc = torch.randn(NB, BS, Hkv, D, generator=g).to(dtype)
+    q = torch.randn(B, Hq, D, generator=g).to(dtype)
+    mb = max(1, max(-(-n // BS) for n in lens) + 1)        # a spare column: -1 padding
+    bt = torch.full((B, mb), -1, dtype=torch.int32)
+    for b, n in enumerate(lens):
+        nb = -(-n // BS)
+        bt[b, :nb] = torch.randperm(NB, generator=g)[:nb].to(torch.int32)
+    return q, kc, vc, bt, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,Hq,Hkv,D,BS,lens", [
+    (1, 9, 3, 64, 16, [100]), (3, 4, 4, 8, 4, [1, 4, 5]), (5, 6, 2, 20, 3, [0, 7, 2, 9, 31]),
+    (16, 9, 3, 64, 16, [17 * i + 1 for i in range(16)])])
+def test_paged_decode_matches_the_torch_path(ext, dtype, B, Hq, Hkv, D, BS, lens):
+    from kernels.paged_attention.ref import paged_attention_decode_ref
+
+    q, kc, vc, bt, cl = paged_case(B, Hq, Hkv, D, BS, lens, dtype, seed=B + D)
+    got = ext.paged_decode(q, kc, vc, bt, cl, D ** -0.5)
+    ref = paged_attention_decode_ref(q, kc, vc, bt, cl, D ** -0.5)
+    assert got.dtype == dtype and got.shape == (B, Hq, D)
+    assert torch.allclose(got.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(got[cl == 0], torch.zeros_like(got[cl == 0]))   # empty context: zeros
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ctx", [1, 16, 37])
+def test_one_row_over_slots_matches_sdpa(ext, dtype, ctx):
+    g = torch.Generator().manual_seed(ctx)
+    kf = torch.randn(80, 3, 64, generator=g).to(dtype)
+    vf = torch.randn(80, 3, 64, generator=g).to(dtype)
+    q = torch.randn(9, 64, generator=g).to(dtype)
+    slots = torch.randperm(80, generator=g)[:ctx]
+    got = ext.slots_decode(q, kf, vf, slots, 0.125)
+    ks, vs = kf[slots].float().transpose(0, 1), vf[slots].float().transpose(0, 1)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float()[:, None].unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), scale=0.125,
+        enable_gqa=True)[0, :, 0]
+    assert torch.allclose(got.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_attention_refuses_what_it_cannot_read(ext):
+    q, kc, vc, bt, cl = paged_case(2, 4, 2, 8, 4, [3, 5], torch.float32)
+    with pytest.raises(RuntimeError, match="block out of range"):
+        ext.paged_decode(q, kc, vc, torch.full_like(bt, 64), cl, 1.0)
+    with pytest.raises(RuntimeError, match="context too long"):
+        ext.paged_decode(q, kc, vc, bt, torch.tensor([3, 500], dtype=torch.int32), 1.0)
+    with pytest.raises(RuntimeError, match="head shapes"):
+        ext.paged_decode(torch.ones(2, 3, 8), kc, vc, bt, cl, 1.0)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        ext.slots_decode(q[0], kc.view(-1, 2, 8), vc.view(-1, 2, 8), torch.tensor([0, 999]), 1.0)

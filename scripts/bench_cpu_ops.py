@@ -1,0 +1,136 @@
+"""The C++ CPU ops and prepacked W8A8 (kernels/cpu_ops, quant._prepack) against the torch
+path they replace, side by side in one run.
+
+Each configuration is an engine in its own process (the switches are read at load):
+  torch      PDMESH_CPU_EXT=0 PDMESH_NO_PREPACK=1   (what the engine did before)
+  c++        PDMESH_NO_PREPACK=1                      (C++ activation passes and K/V gather)
+  c++ + prepack                                       (the default)
+run alternately `--rounds` times, as `make run` configures decode (int4, act_int8,
+SmoothQuant, head_split, one thread). Per concurrency: decode tokens/s over the steps where
+every sequence decodes (prefill excluded), and the greedy tokens (must be identical: the
+ops give the torch reference's bits). Writes <out>/cpu_ops_<model>.json and .png.
+
+    python scripts/bench_cpu_ops.py --model ~/.cache/pdmesh/models/SmolLM2-135M-Instruct
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CONFIGS = {"torch": {"PDMESH_CPU_EXT": "0", "PDMESH_NO_PREPACK": "1"},
+           "c++": {"PDMESH_NO_PREPACK": "1"},
+           "c++ + prepack": {}}
+LEVELS = (1, 4, 16)
+
+
+def log(msg: str) -> None:
+    print(f"[cpu_ops {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def child(model: str, tokens: int) -> dict:
+    """One engine: decode tokens/s per level, and the tokens."""
+    import torch
+
+    from shared.contracts.sampling import SamplingParams
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import LLMEngine
+
+    torch.set_num_threads(1)
+    eng = LLMEngine(EngineConfig(model=model, dtype="bfloat16", quantize="int4", act_int8=True,
+                                 smoothquant=True, head_split=True, threads=1,
+                                 kv_cache_mb=256, deterministic=False))
+    out = {}
+    for c in LEVELS:
+        for i in range(c):
+            eng.add_request(f"{c}-{i}", list(range(200 + 13 * i, 240 + 17 * i)),
+                            SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
+        toks: dict[str, list[int]] = {}
+        decode_s, decode_tokens = 0.0, 0
+        while eng.has_unfinished:
+            prefilling = any(r.seq.num_computed < len(r.seq.prompt_ids)
+                             for r in eng.requests.values() if hasattr(r, "seq"))
+            t = time.perf_counter()
+            outs = eng.step()
+            dt = time.perf_counter() - t
+            if not prefilling:
+                decode_s += dt
+                decode_tokens += len(outs)
+            for o in outs:
+                toks.setdefault(o.request_id, []).extend(o.new_token_ids)
+        out[str(c)] = {"tokens_per_s": decode_tokens / decode_s if decode_s else None,
+                       "tokens": [toks[k] for k in sorted(toks)]}
+    return out
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    w = 0.8 / len(CONFIGS)
+    for j, name in enumerate(CONFIGS):
+        ys = [res["median_tokens_per_s"][name][str(c)] for c in LEVELS]
+        ax.bar([i + j * w for i in range(len(LEVELS))], ys, w, label=name)
+    ax.set_xticks([i + w for i in range(len(LEVELS))], [f"c={c}" for c in LEVELS])
+    ax.set_ylabel("decode tokens/s (median of rounds)")
+    ax.set_title(f"{res['model']}: C++ CPU ops / prepacked W8A8 vs torch (one thread)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=str(Path.home() / ".cache" / "pdmesh" / "models"
+                                           / "SmolLM2-135M-Instruct"))
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--out", default=str(ROOT / "docs" / "bench"))
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args.model, args.tokens)))
+        return 0
+    runs: dict[str, list[dict]] = {name: [] for name in CONFIGS}
+    for r in range(args.rounds):
+        for name, env in CONFIGS.items():
+            log(f"round {r + 1}/{args.rounds}: {name}")
+            p = subprocess.run([sys.executable, __file__, "--child", "--model", args.model,
+                                "--tokens", str(args.tokens)], env={**os.environ, **env},
+                               capture_output=True, text=True, check=True)
+            got = json.loads(p.stdout.strip().splitlines()[-1])
+            runs[name].append(got)
+            log("  " + ", ".join(f"c={c} {got[str(c)]['tokens_per_s']:.1f} tok/s"
+                                 for c in LEVELS))
+    ref = runs["torch"][0]
+    same = {name: all(run[str(c)]["tokens"] == ref[str(c)]["tokens"]
+                      for run in rs for c in LEVELS) for name, rs in runs.items()}
+    med = {name: {str(c): statistics.median(run[str(c)]["tokens_per_s"] for run in rs)
+                  for c in LEVELS} for name, rs in runs.items()}
+    res = {"model": Path(args.model).name, "rounds": args.rounds, "tokens": args.tokens,
+           "configs": {k: v for k, v in CONFIGS.items()}, "median_tokens_per_s": med,
+           "speedup_vs_torch": {name: {c: med[name][c] / med["torch"][c] for c in med[name]}
+                                for name in med},
+           "greedy_tokens_identical_to_torch": same,
+           "runs": {name: [{c: run[c]["tokens_per_s"] for c in run} for run in rs]
+                    for name, rs in runs.items()},
+           "date": time.strftime("%Y-%m-%d %H:%M")}
+    from pdmesh.bench_report import save
+
+    path = save(res, args.out, "cpu_ops_" + res["model"], plot)
+    log(f"speedup vs torch: {res['speedup_vs_torch']}; identical tokens: {same}; {path}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
