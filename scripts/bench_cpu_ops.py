@@ -7,8 +7,10 @@ Each configuration is an engine in its own process (the switches are read at loa
   c++ + prepack                                       (the default)
 run alternately `--rounds` times, as `make run` configures decode (int4, act_int8,
 SmoothQuant, head_split, one thread). Per concurrency: decode tokens/s over the steps where
-every sequence decodes (prefill excluded), and the greedy tokens (must be identical: the
-ops give the torch reference's bits). Writes <out>/cpu_ops_<model>.json and .png.
+every sequence decodes (prefill excluded), and how far the greedy tokens agree with the
+torch configuration's: the W8A8 ops give the torch reference's bits, the in-place decode
+attention is float32 math in another order (close, not equal), and without deterministic
+mode batch composition changes the numerics anyway. Writes <out>/cpu_ops_<model>.json, .png.
 
     python scripts/bench_cpu_ops.py --model ~/.cache/pdmesh/models/SmolLM2-135M-Instruct
 """
@@ -71,6 +73,18 @@ def child(model: str, tokens: int) -> dict:
     return out
 
 
+def agreement(got: list[list[list[int]]], ref: list[list[list[int]]]) -> dict:
+    """Sequences with the same greedy tokens as torch's, and the mean share of tokens before
+    the first difference."""
+    pairs = [(a, b) for g, r in zip(got, ref) for a, b in zip(g, r)]
+    prefix = []
+    for a, b in pairs:
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        prefix.append(n / max(1, len(b)))
+    return {"identical_sequences": sum(a == b for a, b in pairs) / len(pairs),
+            "mean_common_prefix": sum(prefix) / len(prefix), "sequences": len(pairs)}
+
+
 def plot(res: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -113,22 +127,23 @@ def main() -> int:
             log("  " + ", ".join(f"c={c} {got[str(c)]['tokens_per_s']:.1f} tok/s"
                                  for c in LEVELS))
     ref = runs["torch"][0]
-    same = {name: all(run[str(c)]["tokens"] == ref[str(c)]["tokens"]
-                      for run in rs for c in LEVELS) for name, rs in runs.items()}
+    same = {name: agreement([run[str(c)]["tokens"] for run in rs for c in LEVELS],
+                            [ref[str(c)]["tokens"] for _ in rs for c in LEVELS])
+            for name, rs in runs.items()}
     med = {name: {str(c): statistics.median(run[str(c)]["tokens_per_s"] for run in rs)
                   for c in LEVELS} for name, rs in runs.items()}
     res = {"model": Path(args.model).name, "rounds": args.rounds, "tokens": args.tokens,
            "configs": {k: v for k, v in CONFIGS.items()}, "median_tokens_per_s": med,
            "speedup_vs_torch": {name: {c: med[name][c] / med["torch"][c] for c in med[name]}
                                 for name in med},
-           "greedy_tokens_identical_to_torch": same,
+           "greedy_agreement_with_torch": same,
            "runs": {name: [{c: run[c]["tokens_per_s"] for c in run} for run in rs]
                     for name, rs in runs.items()},
            "date": time.strftime("%Y-%m-%d %H:%M")}
     from pdmesh.bench_report import save
 
     path = save(res, args.out, "cpu_ops_" + res["model"], plot)
-    log(f"speedup vs torch: {res['speedup_vs_torch']}; identical tokens: {same}; {path}.json")
+    log(f"speedup vs torch: {res['speedup_vs_torch']}; agreement: {same}; {path}.json")
     return 0
 
 
