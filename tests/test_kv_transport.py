@@ -11,6 +11,7 @@ import torch
 
 from services.prefill.ledger import Phase, WriteLedger
 from services.prefill.sender import KvSender, Reclaimed
+from shared import subjects
 from shared.contracts.common import ErrorCode
 from shared.contracts.kv import KvWrite, KvWriteAck
 from shared.contracts.messages import KvDestination, PrefillJob, SamplingParams
@@ -226,6 +227,24 @@ async def test_no_listener_is_a_failed_write():
 
 # ---- the NATS transport, against a real nats-server --------------------------------------
 
+async def _reachable(nc, subject: str, timeout_s: float = 10.0) -> None:
+    """Until the server routes subject to the listener: a message without KV headers gets
+    the listener's typed error back. A client that lost and regained its connection (seen
+    once under a loaded full run) re-subscribes asynchronously; a write sent in between
+    meets NoResponders, which is not what this test is about."""
+    import nats.errors
+
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        try:
+            await nc.request(subject, b"", timeout=1.0)
+            return
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+
+
 async def test_nats_transport_roundtrip(nats_url):  # noqa: F811 - the fixture
     from shared.kv.nats_transport import NatsKvTransport
     from shared.service import ServiceRuntime
@@ -239,6 +258,7 @@ async def test_nats_transport_roundtrip(nats_url):  # noqa: F811 - the fixture
         dec = Decode()
         dec.refuse_seq = 9
         await rx.listen("d0", dec.on_write)
+        await _reachable(rt_pre.nc, subjects.decode_kv("d0"))
         assert tx.max_payload == rt_pre.nc.max_payload - wire.HEADER_ROOM
         src = pool()
         meta, payload = write(src, [3, 7], [0, 5])
