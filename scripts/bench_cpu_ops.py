@@ -3,7 +3,7 @@ path they replace, side by side in one run.
 
 Each configuration is an engine in its own process (the switches are read at load):
   torch      PDMESH_CPU_EXT=0 PDMESH_NO_PREPACK=1   (what the engine did before)
-  c++        PDMESH_NO_PREPACK=1                      (C++ activation passes and K/V gather)
+  c++        PDMESH_NO_PREPACK=1                      (C++ activation passes, in-place attention)
   c++ + prepack                                       (the default)
 run alternately `--rounds` times, as `make run` configures decode (int4, act_int8,
 SmoothQuant, head_split, one thread). Per concurrency: decode tokens/s over the steps where

@@ -1,15 +1,15 @@
-"""CPU ops in C++ (ops.cpp: W8A8 activation passes, the decode attention's K/V gather) when
-the extension is built, else the torch reference (ref.py); both give the same bits."""
+"""CPU ops in C++ (ops.cpp) when the extension is built: W8A8 activation passes (else the
+torch reference, ref.py, with the same bits) and decode attention read in place (else None:
+the caller's torch path serves)."""
 from __future__ import annotations
 
 import torch
 
 from kernels.cpu_ops.build import load
-from kernels.cpu_ops.ref import dequant_rows_ref, gather_heads_f32_ref, quant_rows_ref
+from kernels.cpu_ops.ref import dequant_rows_ref, quant_rows_ref
 
-__all__ = ["quant_rows", "dequant_rows", "gather_heads_f32", "quant_rows_ref",
-           "dequant_rows_ref", "gather_heads_f32_ref", "decode_attention", "row_attention",
-           "load"]
+__all__ = ["quant_rows", "dequant_rows", "quant_rows_ref", "dequant_rows_ref",
+           "decode_attention", "row_attention", "load"]
 
 
 def quant_rows(x: torch.Tensor, inv: torch.Tensor | None = None, u8: bool = False):
@@ -25,13 +25,6 @@ def dequant_rows(acc: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor,
     if mod is None or acc.is_cuda:
         return dequant_rows_ref(acc, sx, sw, dtype)
     return mod.dequant_rows(acc, sx, sw, dtype)
-
-
-def gather_heads_f32(cache: torch.Tensor, tables: torch.Tensor, B: int) -> torch.Tensor:
-    mod = load()
-    if mod is None or cache.is_cuda or not cache.is_contiguous():
-        return gather_heads_f32_ref(cache, tables, B)
-    return mod.gather_heads_f32(cache, tables, B)
 
 
 def _in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -1,14 +1,14 @@
 // CPU ops in C++ where torch takes several passes over memory for one: the activation
-// side of a W8A8 GEMM (one pass each way) and the decode attention's K/V gather.
+// side of a W8A8 GEMM (one pass each way) and decode attention read in place.
 //
 // quant_rows: x [M, K] (float32 | bfloat16 | float16), optionally times a per-channel
 //   factor (SmoothQuant's 1/s, in x's dtype, the product rounded to x's dtype as torch's
 //   `x * inv` does) -> int8 codes and one float32 scale per row (symmetric, amax / 127,
 //   round half to even, clamp to +-127); u8: each code + 128 as uint8, the activations
 //   of oneDNN's u8s8 qlinear with zero point 128.
-// dequant_rows: the GEMM result [M, N] (int32, or its exact float32 from oneDNN) times sx[m] * sw[n] (float32, in that order)
-//   -> x's dtype.
-// Each is the same arithmetic as the torch reference in ref.py, element by element, so
+// dequant_rows: the GEMM result [M, N] (int32, or its exact float32 from oneDNN) times
+//   sx[m] * sw[n] (float32, in that order) -> x's dtype.
+// These two are the same arithmetic as the torch reference in ref.py, element by element, so
 // the results are bit for bit the same; only the ~10 passes over memory become one.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -141,51 +141,12 @@ torch::Tensor dequant_rows(const torch::Tensor& acc, const torch::Tensor& sx,
   return out;
 }
 
-// gather_heads_f32: blocks `tables` [B * nb] of a paged cache [NB, BS, H, D] as float32,
-// heads first: out[b, h, l, :] = cache[tables[b * nb + l / BS], l % BS, h, :], l < nb * BS,
-// i.e. cache.index_select(0, tables).view(B, L, H, D).transpose(1, 2).float().contiguous()
-// in one pass (the decode attention's K and V; an exact conversion, so the same bits).
-torch::Tensor gather_heads_f32(const torch::Tensor& cache, const torch::Tensor& tables,
-                               int64_t B) {
-  TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous() && cache.device().is_cpu(),
-              "gather_heads_f32: cache must be a contiguous [NB, BS, H, D] CPU tensor");
-  TORCH_CHECK(tables.dim() == 1 && tables.scalar_type() == torch::kLong && B > 0 &&
-                  tables.numel() % B == 0,
-              "gather_heads_f32: tables must be int64 [B * nb]");
-  auto tc = tables.contiguous();
-  const int64_t NB = cache.size(0), BS = cache.size(1), H = cache.size(2), D = cache.size(3);
-  const int64_t nb = tc.numel() / B, L = nb * BS;
-  const int64_t* t = tc.data_ptr<int64_t>();
-  for (int64_t i = 0; i < tc.numel(); ++i)
-    TORCH_CHECK(t[i] >= 0 && t[i] < NB, "gather_heads_f32: block id out of range");
-  auto out = torch::empty({B, H, L, D}, cache.options().dtype(torch::kFloat32));
-  float* o = out.data_ptr<float>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, cache.scalar_type(), "gather_heads", [&] {
-    const scalar_t* c = cache.data_ptr<scalar_t>();
-    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) {
-        for (int64_t j = 0; j < nb; ++j) {
-          const scalar_t* blk = c + t[b * nb + j] * BS * H * D;
-          for (int64_t s = 0; s < BS; ++s) {
-            for (int64_t h = 0; h < H; ++h) {
-              const scalar_t* __restrict src = blk + (s * H + h) * D;
-              float* __restrict dst = o + ((b * H + h) * L + j * BS + s) * D;
-              for (int64_t d = 0; d < D; ++d) dst[d] = to_f(src[d]);
-            }
-          }
-        }
-      }
-    });
-  });
-  return out;
-}
-
 // ---- decode attention -------------------------------------------------------------------
 // One query row per sequence attends over its context, read in place from the paged cache
 // (no gather, no float copy): per kv head, the G query heads that share it take their
 // scores from each K row once, a float32 softmax, and the weighted sum of V rows. Float32
 // throughout; sums in 16 lanes (so they vectorize) then added up, so the result differs
-// from torch's bmm path in the last bits, not more (tests: 1e-5 float32, 1e-2 bfloat16).
+// from torch's bmm path in the last bits, not more (tests: 1e-5 float32, 2e-2 bfloat16).
 
 namespace {
 
@@ -211,7 +172,7 @@ void attend_one(const T* q, const T* kc, const T* vc, int64_t ctx, int64_t Hq, i
     for (int64_t i = 0; i < Hq * D; ++i) out[i] = from_f<T>(0.f);
     return;
   }
-  std::vector<float> qf(G * D), kf(D), p(G * ctx), acc(G * D);
+  std::vector<float> qf(G * D), kf(D), p(G * ctx), acc(G * D), inv(G);
   for (int64_t h = 0; h < Hkv; ++h) {
     for (int64_t i = 0; i < G * D; ++i) qf[i] = to_f(q[h * G * D + i]);
     for (int64_t l = 0; l < ctx; ++l) {
@@ -220,7 +181,6 @@ void attend_one(const T* q, const T* kc, const T* vc, int64_t ctx, int64_t Hq, i
       for (int64_t g = 0; g < G; ++g) p[g * ctx + l] = dot(&qf[g * D], kf.data(), D) * scale;
     }
     std::fill(acc.begin(), acc.end(), 0.f);
-    std::vector<float> inv(G);
     for (int64_t g = 0; g < G; ++g) {
       float* pg = &p[g * ctx];
       float m = pg[0];
@@ -321,7 +281,6 @@ torch::Tensor slots_decode(const torch::Tensor& q, const torch::Tensor& kf,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_rows", &quant_rows, "int8 (or uint8 + 128) rows + float32 row scales",
         py::arg("x"), py::arg("inv") = py::none(), py::arg("u8") = false);
-  m.def("gather_heads_f32", &gather_heads_f32, "paged blocks -> [B, H, L, D] float32");
   m.def("paged_decode", &paged_decode, "decode attention over a paged cache, in place");
   m.def("slots_decode", &slots_decode, "one decode row over flat slots, in place");
   m.def("dequant_rows", &dequant_rows, "int32 GEMM result * sx[m] * sw[n] -> dtype");

@@ -21,12 +21,3 @@ def dequant_rows_ref(acc: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor,
     """acc [M, N] int32 (or float32) times sx[m] * sw[n] (float32), in dtype."""
     return (acc * (sx * sw)).to(dtype)
 
-
-def gather_heads_f32_ref(cache: torch.Tensor, tables: torch.Tensor, B: int) -> torch.Tensor:
-    """Blocks `tables` [B * nb] of cache [NB, BS, H, D] as float32 [B, H, nb * BS, D]."""
-    _, BS, H, D = cache.shape
-    L = tables.numel() // B * BS
-    # heads first in the one copy that makes them float32 (`to` alone would keep a float32
-    # cache's strides)
-    return (cache.index_select(0, tables).view(B, L, H, D).transpose(1, 2)
-            .to(torch.float32, memory_format=torch.contiguous_format).contiguous())

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_ops import row_attention
+from kernels.cpu_ops import load as cpu_ops_loaded, row_attention
 from kernels.kv_cache import plan_slots, write_kv
 from kernels.paged_attention import paged_attention_decode, plan_decode
 
@@ -188,7 +188,9 @@ class Model:
 
     @staticmethod
     def _decode_plan(meta: BatchMeta, kv: torch.Tensor):
-        if not meta.num_decode or kv.is_cuda:
+        """The torch decode attention's gather plan, shared by every layer; none on CUDA or
+        where the C++ op reads the cache in place (kernels/cpu_ops)."""
+        if not meta.num_decode or kv.is_cuda or cpu_ops_loaded():
             return None
         return plan_decode(meta.block_tables, meta.context_lens, kv.shape[3])
 

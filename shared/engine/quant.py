@@ -90,8 +90,8 @@ def _prepack(q: torch.Tensor):
     """q [n, k] int8 in oneDNN's own blocked layout for its u8s8 qlinear (VNNI / AMX), or
     None where this torch has no oneDNN qlinear. torch._int_mm takes the plain layout and
     re-blocks the weight on every call: with the weights out of cache, the prepacked GEMM
-    of SmolLM2's gate|up at 16 rows is 166 us against 325 (same int32 sums). PDMESH_NO_
-    PREPACK=1 keeps _int_mm (A/B runs)."""
+    of SmolLM2's gate|up at 16 rows is 166 us against 325 (same int32 sums).
+    PDMESH_NO_PREPACK=1 keeps _int_mm (A/B runs)."""
     if os.environ.get("PDMESH_NO_PREPACK") == "1":
         return None
     try:

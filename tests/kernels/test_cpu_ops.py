@@ -1,13 +1,13 @@
 """The C++ CPU ops (kernels/cpu_ops/ops.cpp) give the torch reference's bits: the W8A8 ops'
 codes, row scales and the scaled-back GEMM result, on odd shapes, in every dtype, with and
-without SmoothQuant's factor, on rows with ties, zeros and outliers; and the decode attention's
-K/V gather."""
+without SmoothQuant's factor, on rows with ties, zeros and outliers; and the decode attention
+read in place, close to the torch path."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.cpu_ops import dequant_rows_ref, gather_heads_f32_ref, load, quant_rows_ref
+from kernels.cpu_ops import dequant_rows_ref, load, quant_rows_ref
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -96,25 +96,6 @@ def test_bad_shapes_are_refused(ext):
     with pytest.raises(RuntimeError, match="acc int32 or float32"):
         ext.dequant_rows(torch.ones(2, 8, dtype=torch.int16), torch.ones(2, 1), torch.ones(8),
                          torch.float32)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B,nb,BS,H,D", [(1, 1, 16, 3, 64), (5, 3, 4, 2, 8), (16, 7, 16, 3, 64)])
-def test_gather_heads_gives_the_reference_bits(ext, dtype, B, nb, BS, H, D):
-    g = torch.Generator().manual_seed(B * nb)
-    cache = torch.randn(40, BS, H, D, generator=g).to(dtype)
-    tables = torch.randint(0, 40, (B * nb,), generator=g)
-    out = ext.gather_heads_f32(cache, tables, B)
-    assert out.shape == (B, H, nb * BS, D) and out.dtype == torch.float32 and out.is_contiguous()
-    assert torch.equal(out, gather_heads_f32_ref(cache, tables, B))
-
-
-def test_gather_heads_refuses_a_block_outside_the_cache(ext):
-    cache = torch.zeros(4, 2, 1, 8)
-    with pytest.raises(RuntimeError, match="out of range"):
-        ext.gather_heads_f32(cache, torch.tensor([0, 4]), 1)
-    with pytest.raises(RuntimeError, match="tables must be int64"):
-        ext.gather_heads_f32(cache, torch.tensor([0, 1, 2]), 2)
 
 
 # ---- decode attention read in place (close to the torch path, not its bits) --------------
