@@ -45,8 +45,8 @@ def enabled() -> bool:
 
 
 def load():
-    """The compiled module (quant_rows, dequant_rows), or None (off, or the build failed:
-    logged once)."""
+    """The compiled module (quant_rows, dequant_rows, paged_decode, slots_decode), or None
+    (off, or the build failed: logged once)."""
     if "mod" in _cache:
         return _cache["mod"]
     mod = None
