@@ -19,8 +19,10 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
+
 from shared import subjects, tracing
-from shared.contracts.common import Codec, ContractError, ErrorCode, Ok, encode
+from shared.contracts.common import Codec, ContractError, ErrorCode, ErrorReply, Ok, encode
 from shared.contracts.kv import KvWrite, KvWriteAck
 from shared.contracts.messages import (
     Abort,
@@ -289,9 +291,22 @@ class DecodeService:
             self.reclaimer.release_if_settled(w.request_id)
         self.counters["kv_writes_applied" if landed else "kv_writes_fenced"] += 1
         self.counters["kv_bytes"] += len(payload) if landed else 0
+        if w.done is not None:     # the attempt's only write: its PrefillDone rides along
+            done = w.done
+            if not landed or done.request_id != w.request_id or done.writes_issued != 1:
+                done = msgspec.structs.replace(
+                    done, request_id=w.request_id, status=PrefillStatus.FAILED, writes_issued=1,
+                    error=ErrorReply(code=ErrorCode.PREFILL_FAILED, request_id=w.request_id,
+                                     message="the write carrying PrefillDone did not land"))
+            await self.prefill_finished(msgspec.structs.replace(done, attempt=attempt))
         return KvWriteAck(request_id=w.request_id, seq=w.seq, applied=landed)
 
     async def on_prefill_done(self, done: PrefillDone) -> bytes:
+        await self.prefill_finished(done)
+        return encode(Ok(request_id=done.request_id))
+
+    async def prefill_finished(self, done: PrefillDone) -> None:
+        """An attempt has stopped writing (its PrefillDone, on its own or in its write)."""
         rid, attempt = done.request_id, done.attempt or done.prefill_instance
         nxt = self.table.prefill_done(rid, attempt, done.status is PrefillStatus.OK,
                                       done.writes_issued)
@@ -304,7 +319,6 @@ class DecodeService:
         elif nxt is Next.START:
             await self._start(done)
         self.wake.set()
-        return encode(Ok(request_id=rid))
 
     async def _start(self, done: PrefillDone) -> None:
         rid = done.request_id

@@ -21,9 +21,10 @@ write it started has completed, so the count it leaves in the ledger is final.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from shared.contracts.kv import KvWrite
-from shared.contracts.messages import PrefillJob
+from shared.contracts.messages import PrefillDone, PrefillJob
 from shared.kv import wire
 from shared.kv.transport import KvTransport
 from shared.service import ServiceError
@@ -52,7 +53,8 @@ class KvSender:
         self.max_write_bytes = 0        # the largest payload sent so far (for STATS)
         self.changed = asyncio.Condition()   # a write of some attempt completed
         self.streams: dict[str, LayerStream] = {}    # engine request id -> its stream
-        self.counters = {"kv_writes_streamed": 0, "kv_bytes_streamed": 0}
+        self.counters = {"kv_writes_streamed": 0, "kv_bytes_streamed": 0, "kv_done_in_write": 0}
+        self.done_landed: set[str] = set()   # attempts whose one write carried PrefillDone
 
     def stats(self) -> dict:
         return self.counters | getattr(self.transport, "counters", {})
@@ -63,17 +65,22 @@ class KvSender:
         return min(m, self.limit) if self.limit else m
 
     # ---- layer-wise streaming ---------------------------------------------------------
+    def will_stream(self, job: PrefillJob, engine) -> bool:
+        """Whether open() streams this job's KV. A prompt of one chunk is not streamed:
+        its forward is short, and waking the event loop at every layer costs the forward
+        more (the GIL) than the overlap gains; its KV goes in one write after it. Nor to a
+        decode on this host through shared memory (unless stream_shm): no wire time to
+        hide there, the layer writes only cost."""
+        if not self.stream_enabled or len(job.prompt_ids) <= engine.cfg.chunk_size:
+            return False
+        same_host = getattr(self.transport, "same_host", None)
+        return self.stream_shm or same_host is None or not same_host(job.dest.instance_id)
+
     def open(self, job: PrefillJob, engine, local_id: str, attempt: str) -> None:
         """Stream the attempt's KV while engine request `local_id` computes (call before
-        it is added to the engine). A prompt of one chunk is not streamed: its forward is
-        short, and waking the event loop at every layer costs the forward more (the GIL)
-        than the overlap gains; its KV goes in one write after it. Nor to a decode on this
-        host through shared memory (unless stream_shm): no wire time to hide there."""
-        if not self.stream_enabled or len(job.prompt_ids) <= engine.cfg.chunk_size:
+        it is added to the engine), if will_stream() says so."""
+        if not self.will_stream(job, engine):
             return
-        same_host = getattr(self.transport, "same_host", None)
-        if not self.stream_shm and same_host is not None and same_host(job.dest.instance_id):
-            return      # shared memory: no wire time to hide, the layer writes only cost
         engine.model.layer_listener = self._on_layer
         st = LayerStream(self, job, engine, local_id, attempt, asyncio.get_running_loop())
         self.streams[local_id] = st
@@ -95,15 +102,22 @@ class KvSender:
                 st.computed(layer, s.context_len - s.n, s.context_len)
 
     # ---- sending ------------------------------------------------------------------------
-    async def send(self, job: PrefillJob, engine, local_id: str, attempt: str) -> tuple[int, int]:
+    async def send(self, job: PrefillJob, engine, local_id: str, attempt: str,
+                   final: Callable[[int, int], PrefillDone] | None = None) -> tuple[int, int]:
         """Write every prompt block not written yet; returns (writes issued, bytes). Raises
         Reclaimed if a Reclaim stopped the attempt, RuntimeError if a write failed or was
-        refused; in every case only once no write of the attempt is in flight."""
+        refused; in every case only once no write of the attempt is in flight.
+
+        final(writes, bytes): the attempt's PrefillDone. When the whole KV goes in one
+        write (a short prompt, not streamed) that write carries it, and decode starts the
+        request on it: one message instead of a write, its ack, then a PrefillDone.
+        delivered_done(attempt) then says whether decode applied it (else the caller
+        sends the PrefillDone as usual)."""
         st = self.streams.get(local_id)
         if st is not None:
             errors, total = await st.finish()
         else:
-            errors, total = await self._send_all(job, engine, local_id, attempt)
+            errors, total = await self._send_all(job, engine, local_id, attempt, final)
         e = self.ledger.get(attempt)
         if e.phase is Phase.CANCELLED:
             raise Reclaimed(f"{job.request_id}: reclaimed after {e.issued} writes")
@@ -111,10 +125,25 @@ class KvSender:
             raise RuntimeError("; ".join(errors[:3]))
         return e.issued, total
 
-    async def _send_all(self, job, engine, local_id, attempt) -> tuple[list[str], int]:
+    def delivered_done(self, attempt: str) -> bool:
+        """Whether the attempt's only write carried its PrefillDone and decode applied
+        it (asked once, after send())."""
+        if attempt in self.done_landed:
+            self.done_landed.discard(attempt)
+            return True
+        return False
+
+    async def _send_all(self, job, engine, local_id, attempt, final=None) -> tuple[list[str], int]:
         src = self.source_blocks(job, engine, local_id)
+        pieces = wire.plan(len(src), engine.kv, self.max_bytes)
+        if final is not None and len(pieces) == 1:
+            errors: list[str] = []
+            nbytes = wire.piece_bytes(engine.kv, len(src), pieces[0].l0, pieces[0].l1)
+            n = await self.write(job, engine, attempt, src, pieces[0], errors,
+                                 done=final(1, nbytes))
+            return errors, n
         credits = asyncio.Semaphore(self.window)
-        errors: list[str] = []
+        errors = []
         sizes: list[int] = []
 
         async def one(p: wire.Piece) -> None:
@@ -122,7 +151,7 @@ class KvSender:
                 n = await self.write(job, engine, attempt, src, p, errors)
                 sizes.append(n)
 
-        await asyncio.gather(*(one(p) for p in wire.plan(len(src), engine.kv, self.max_bytes)))
+        await asyncio.gather(*(one(p) for p in pieces))
         return errors, sum(sizes)
 
     @staticmethod
@@ -135,9 +164,10 @@ class KvSender:
         return src
 
     async def write(self, job: PrefillJob, engine, attempt: str, src: list[int],
-                    p: wire.Piece, errors: list[str]) -> int:
+                    p: wire.Piece, errors: list[str], done: PrefillDone | None = None) -> int:
         """One write: blocks p.b0..p.b1 of the job's destination (src: this pool's blocks
-        for them), layers p.l0..p.l1. Returns the bytes sent (0: not sent)."""
+        for them), layers p.l0..p.l1. Returns the bytes sent (0: not sent). done: the
+        attempt's PrefillDone, carried by its only write."""
         ledger = self.ledger
         if not ledger.may_issue(attempt):
             return 0
@@ -161,13 +191,16 @@ class KvSender:
                            block_ids=job.dest.block_ids[p.b0:p.b1], layer_start=p.l0,
                            layer_end=p.l1, dtype=wire.dtype_name(engine.kv.dtype), shape=shape,
                            checksum=await wire.checksum_async(payload), seq=p.index,
-                           sender=self.sender_id, attempt=attempt)
+                           sender=self.sender_id, attempt=attempt, done=done)
             ack = await self.transport.send(dest, meta, payload)
             answered, sent = True, len(payload)
             self.max_write_bytes = max(self.max_write_bytes, sent)
             if not ack.applied:
                 errors.append(f"decode discarded KV write {p.index} (fenced)")
                 ledger.stop(attempt)
+            elif done is not None:
+                self.done_landed.add(attempt)
+                self.counters["kv_done_in_write"] += 1
         except ServiceError as e:    # an answer: decode refused the write
             answered = True
             errors.append(f"decode refused KV write {p.index}: {e}")

@@ -193,7 +193,7 @@ class PrefillService:
         entry = self.ledger.open(job.request_id, attempt, job.dest.instance_id)
         keepalive = self.rt.spawn(self.keep_alive(msg))
         try:
-            done = await self.attempt(job, attempt)
+            done = await self.attempt(job, attempt, redelivered=_deliveries(msg) > 1)
         finally:
             keepalive.cancel()
             self.ledger.close(attempt, time.monotonic())
@@ -202,27 +202,54 @@ class PrefillService:
             return
         if done.status is PrefillStatus.FAILED:
             done = msgspec.structs.replace(done, writes_issued=entry.issued)
-        await self.finish(job, msg, done)
+        await self.finish(job, msg, done, delivered=self.sender.delivered_done(attempt))
 
-    async def attempt(self, job: PrefillJob, attempt: str) -> PrefillDone | None:
-        """Claim, compute, write. None when decode refused the claim or reclaimed it."""
-        if not await self.claim(job, attempt):
+    async def attempt(self, job: PrefillJob, attempt: str,
+                      redelivered: bool = False) -> PrefillDone | None:
+        """Claim, compute, write. None when decode refused the claim or reclaimed it.
+
+        A job's first delivery claims while it computes: the claim's round trip is off
+        the critical path, no write starts before the grant (the ledger), and a refusal
+        that comes first stops the compute. A redelivered job (its first worker died: the
+        request may be gone) and a layer-streamed one (its writes start during the
+        compute) claim first, so a refused claim costs them no compute."""
+        local_id = f"{job.request_id}/{attempt[:8]}"
+        early = not redelivered and not self.sender.will_stream(job, self.engine)
+        claim = asyncio.ensure_future(self.claim(job, attempt))
+        if not early and not await claim:
             self.counters["jobs_refused"] += 1
             return None
-        local_id = f"{job.request_id}/{attempt[:8]}"
-        log.debug("%s: attempt %s claimed", job.request_id, attempt)
         t0 = time.monotonic()
+        work = None
         try:
             self.sender.open(job, self.engine, local_id, attempt)   # layer-wise KV streaming
             with tracing.span("compute", prompt_tokens=len(job.prompt_ids)):
-                out, tier = await self.compute(local_id, job)
+                work = asyncio.ensure_future(self.compute(local_id, job))
+                await asyncio.wait({claim, work}, return_when=asyncio.FIRST_COMPLETED)
+                if not (claim.done() and not claim.result()):
+                    out, tier = await work
             compute_s = time.monotonic() - t0
+            if not await claim:
+                self.counters["jobs_refused"] += 1
+                return None
+            log.debug("%s: attempt %s claimed", job.request_id, attempt)
             log.debug("%s: attempt %s computed in %.3fs", job.request_id, attempt, compute_s)
             if self.ledger.get(attempt).phase is Phase.CANCELLED:
                 raise Reclaimed(f"{job.request_id}: reclaimed before its last write")
+            lp = out.logprobs[0] if out.logprobs else (None, None, None)
+
+            def ok_done(writes: int, nbytes: int, transfer_s: float = 0.0) -> PrefillDone:
+                return PrefillDone(request_id=job.request_id, status=PrefillStatus.OK,
+                                   prefill_instance=self.iid, first_token=out.new_token_ids[0],
+                                   first_logprob=lp[1], first_top_logprobs=lp[2],
+                                   writes_issued=writes, bytes_sent=nbytes,
+                                   compute_s=compute_s, transfer_s=transfer_s,
+                                   attempt=attempt, cached_tokens=out.num_cached_tokens)
+
             t1 = time.monotonic()
             with tracing.span("kv_transfer", decode=job.dest.instance_id):
-                writes, nbytes = await self.sender.send(job, self.engine, local_id, attempt)
+                writes, nbytes = await self.sender.send(job, self.engine, local_id, attempt,
+                                                        final=ok_done)
             transfer_s = time.monotonic() - t1
             log.debug("%s: attempt %s sent %d writes", job.request_id, attempt, writes)
             self.counters["kv_writes"] += writes
@@ -234,26 +261,28 @@ class PrefillService:
                             keys)
             if self.group is not None:   # the group lacks some of them: LayerSplit
                 self.group.insert(self.engine, *self.engine.computed_prompt_blocks(local_id))
-            lp = out.logprobs[0] if out.logprobs else (None, None, None)
-            return PrefillDone(request_id=job.request_id, status=PrefillStatus.OK,
-                               prefill_instance=self.iid, first_token=out.new_token_ids[0],
-                               first_logprob=lp[1], first_top_logprobs=lp[2],
-                               writes_issued=writes, bytes_sent=nbytes, compute_s=compute_s,
-                               transfer_s=transfer_s, attempt=attempt,
-                               cached_tokens=out.num_cached_tokens)
+            return ok_done(writes, nbytes, transfer_s)
         except Reclaimed as e:
             log.debug("%s", e)
             self.counters["jobs_reclaimed"] += 1
             return None
         except Exception as e:  # noqa: BLE001 - report, never crash the worker
             log.warning("%s: prefill failed: %r", job.request_id, e)
+            granted = await claim    # (an early claim's answer first)
             self.ledger.stop(attempt)
+            if not granted:          # decode wants nothing from an attempt it did not grant
+                return None
             await self.sender.wait_idle(attempt)
             return PrefillDone(request_id=job.request_id, status=PrefillStatus.FAILED,
                                prefill_instance=self.iid, attempt=attempt,
                                error=ErrorReply(code=ErrorCode.PREFILL_FAILED, message=repr(e),
                                                 request_id=job.request_id))
         finally:
+            claim.cancel()           # (answered by now, unless the attempt was cancelled)
+            if work is not None and not work.done():     # refused while computing
+                work.cancel()
+                self.pending.pop(local_id, None)
+                self.engine.abort(local_id)
             self.sender.drop(local_id)
             self.engine.release(local_id)
 
@@ -302,13 +331,17 @@ class PrefillService:
         self.wake.set()
         return await fut, tier
 
-    async def finish(self, job: PrefillJob, msg, done: PrefillDone) -> None:
+    async def finish(self, job: PrefillJob, msg, done: PrefillDone,
+                     delivered: bool = False) -> None:
+        """Report the attempt to decode (unless its only KV write carried the PrefillDone
+        and decode applied it: `delivered`), then ack the job."""
         ok = done.status is PrefillStatus.OK
         self.counters["jobs_done" if ok else "jobs_failed"] += 1
-        try:
-            await self.peers.prefill_done(job.dest.instance_id, done, 5.0)
-        except Exception as e:  # noqa: BLE001 - decode gone: it will never want this KV
-            log.warning("%s: PrefillDone not delivered: %r", job.request_id, e)
+        if not (ok and delivered):
+            try:
+                await self.peers.prefill_done(job.dest.instance_id, done, 5.0)
+            except Exception as e:  # noqa: BLE001 - decode gone: it will never want this KV
+                log.warning("%s: PrefillDone not delivered: %r", job.request_id, e)
         await msg.ack()
 
     async def keep_alive(self, msg) -> None:

@@ -10,6 +10,7 @@ import json
 import msgspec
 
 from .common import VERSION, ContractError
+from .messages import PrefillDone
 
 
 class KvWrite(msgspec.Struct, frozen=True, kw_only=True):
@@ -24,11 +25,18 @@ class KvWrite(msgspec.Struct, frozen=True, kw_only=True):
     seq: int               # index of this write within the job
     sender: str
     attempt: str = ""      # the prefill attempt (PrefillClaim.attempt) that issued it
+    # the attempt's PrefillDone (status OK, writes_issued 1) when this is its only write:
+    # decode starts the request on it once the write has landed (no separate message)
+    done: PrefillDone | None = None
 
     def headers(self) -> dict[str, str]:
         h = msgspec.structs.asdict(self)
-        return {f"Pdmesh-{k}": json.dumps(v) if isinstance(v, list) else str(v)
-                for k, v in h.items()} | {"Pdmesh-v": str(VERSION)}
+        done = h.pop("done")
+        out = {f"Pdmesh-{k}": json.dumps(v) if isinstance(v, list) else str(v)
+               for k, v in h.items()} | {"Pdmesh-v": str(VERSION)}
+        if done is not None:
+            out["Pdmesh-done"] = msgspec.json.encode(done).decode()
+        return out
 
     @classmethod
     def from_headers(cls, headers: dict[str, str] | None) -> "KvWrite":
@@ -39,8 +47,11 @@ class KvWrite(msgspec.Struct, frozen=True, kw_only=True):
             raw.pop("v", None)
             for k in ("epochs", "block_ids", "shape"):
                 raw[k] = json.loads(raw[k])
+            if "done" in raw:
+                raw["done"] = msgspec.json.decode(raw["done"], type=PrefillDone)
             return msgspec.convert(raw, cls, strict=False)
-        except (KeyError, ValueError, TypeError, msgspec.ValidationError) as e:
+        except (KeyError, ValueError, TypeError, msgspec.ValidationError,
+                msgspec.DecodeError) as e:
             raise ContractError(f"bad KV write headers: {e}") from e
 
 

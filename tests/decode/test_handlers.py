@@ -41,9 +41,13 @@ async def test_pd_in_process_equals_the_engine_alone(tiny_target, tiny_prompts, 
         await mesh.close()
 
 
-async def test_abort_while_awaiting_kv_then_the_claim_is_refused(tiny_target, tiny_prompts):
+@pytest.mark.parametrize("delivered", [1, 2])
+async def test_abort_while_awaiting_kv_then_the_claim_is_refused(tiny_target, tiny_prompts,
+                                                                delivered):
     """Aborted before any prefill claimed it: the blocks are free at once, and the job,
-    pulled afterwards, is refused before it computes or writes anything."""
+    pulled afterwards, is refused and writes nothing. A first delivery claims while it
+    computes: the refusal stops its compute and prefill keeps no block of it; a redelivered
+    job claims first: refused before it computes anything."""
     mesh = LocalMesh(tiny_target)
     await mesh.start()
     try:
@@ -51,11 +55,14 @@ async def test_abort_while_awaiting_kv_then_the_claim_is_refused(tiny_target, ti
         await mesh.abort("a")
         st = stats(mesh)
         assert st["reclaims_by_outcome"] == {"unclaimed": 1} and st["blocks_used"] == 0
-        task, msg = mesh.run_job()
+        task, msg = mesh.run_job(delivered)
         await task
         pre = mesh.prefill.stats()
         assert msg.acked and pre["jobs_refused"] == 1 and pre["kv_writes"] == 0
-        assert stats(mesh)["claims_refused"] == 1 and mesh.prefill.engine.stats()["prompt_tokens"] == 0
+        assert stats(mesh)["claims_refused"] == 1 and not mesh.prefill.pending
+        await until(lambda: mesh.prefill.engine.stats()["blocks_used"] == 0)
+        if delivered > 1:
+            assert mesh.prefill.engine.stats()["prompt_tokens"] == 0
     finally:
         await mesh.close()
 
