@@ -197,12 +197,13 @@ class PrefillService:
         finally:
             keepalive.cancel()
             self.ledger.close(attempt, time.monotonic())
+        delivered = self.sender.delivered_done(attempt)
         if done is None:            # refused or reclaimed: decode wants nothing more
             await msg.ack()
             return
         if done.status is PrefillStatus.FAILED:
             done = msgspec.structs.replace(done, writes_issued=entry.issued)
-        await self.finish(job, msg, done, delivered=self.sender.delivered_done(attempt))
+        await self.finish(job, msg, done, delivered=delivered)
 
     async def attempt(self, job: PrefillJob, attempt: str,
                       redelivered: bool = False) -> PrefillDone | None:

@@ -103,6 +103,8 @@ class LocalMesh:
         self.finished: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self.prefill_dead = False
         self.tasks: list[asyncio.Task] = []
+        self.dones: list = []            # PrefillDone messages sent on their own
+        self.claim_gate = None           # an async callable a claim awaits before decode sees it
 
     async def start(self, decode_loop: bool = True) -> None:
         await self.kv.listen(self.decode.iid, self.decode.on_kv_write)
@@ -159,7 +161,10 @@ class LocalMesh:
 
     # ---- prefill's peers ------------------------------------------------------------
     async def claim(self, decode, c, timeout) -> ClaimReply:
+        if self.claim_gate is not None:
+            await self.claim_gate()
         return CLAIM_REPLY.decode(await self.decode.on_claim(c))
 
     async def prefill_done(self, decode, done, timeout) -> None:
+        self.dones.append(done)
         await self.decode.on_prefill_done(done)

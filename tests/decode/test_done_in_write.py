@@ -1,0 +1,113 @@
+"""The short-prompt PD path (services/prefill/service.py: attempt; sender.py: send): a
+first delivery claims while it computes, and a prompt whose KV fits one write sends its
+PrefillDone in that write, so decode starts the request as the write lands. In one
+process (local_mesh.py), the real engine on the tiny model, outputs against the engine
+alone (deterministic mode)."""
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from .local_mesh import MAX_TOKENS, LocalMesh, until
+from .test_handlers import prompt
+
+
+async def test_a_prompt_in_one_write_starts_on_that_write(tiny_target, tiny_prompts, reference):
+    """One KV write carries the PrefillDone: no separate message, the output is the
+    engine alone's, nothing is left open on either side."""
+    mesh = LocalMesh(tiny_target)
+    await mesh.start()
+    try:
+        p = prompt(tiny_prompts, 0)
+        await mesh.submit("a", p, max_tokens=MAX_TOKENS, ignore_eos=True)
+        task, msg = mesh.run_job()
+        await task
+        assert await mesh.tokens("a") == reference(p)
+        pre = mesh.prefill.stats()
+        assert msg.acked and pre["kv_writes"] == 1 and pre["kv_done_in_write"] == 1
+        assert mesh.dones == [] and pre["jobs_done"] == 1
+        assert mesh.decode.stats()["prefill_fallbacks"] == 0
+        assert pre["attempts_open"] == 0
+        await until(lambda: mesh.decode.stats()["blocks_used"] == 0)
+    finally:
+        await mesh.close()
+
+
+async def test_a_prompt_in_several_writes_reports_after_them(tiny_target, tiny_prompts, reference):
+    """Several writes: each is acknowledged, then one PrefillDone counts them all."""
+    mesh = LocalMesh(tiny_target, prefill={"kv_max_write_bytes": 16 << 10})
+    await mesh.start()
+    try:
+        p = prompt(tiny_prompts, 1)
+        await mesh.submit("a", p, max_tokens=MAX_TOKENS, ignore_eos=True)
+        task, _ = mesh.run_job()
+        await task
+        assert await mesh.tokens("a") == reference(p)
+        pre = mesh.prefill.stats()
+        assert pre["kv_writes"] > 1 and pre["kv_done_in_write"] == 0
+        assert [d.writes_issued for d in mesh.dones] == [pre["kv_writes"]]
+    finally:
+        await mesh.close()
+
+
+class StaleEpochs:
+    """A KV transport that delivers the write carrying a PrefillDone with its epochs
+    one ahead: a write decode must fence (as it fences a late write of another life)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.max_payload = inner.max_payload
+
+    async def send(self, dest, meta, payload):
+        if meta.done is not None:
+            meta = msgspec.structs.replace(meta, epochs=[e + 1 for e in meta.epochs])
+        return await self.inner.send(dest, meta, payload)
+
+
+async def test_a_fenced_write_never_starts_its_request(tiny_target, tiny_prompts, reference):
+    """The write carrying the PrefillDone is fenced: its KV did not land, so decode must
+    not start the request on it (the blocks hold no prompt). It prefills the prompt
+    itself, and the output is still the engine alone's."""
+    mesh = LocalMesh(tiny_target)
+    await mesh.start()
+    try:
+        mesh.prefill.sender.transport = StaleEpochs(mesh.kv)
+        p = prompt(tiny_prompts, 2)
+        await mesh.submit("a", p, max_tokens=MAX_TOKENS, ignore_eos=True)
+        task, _ = mesh.run_job()
+        await task
+        assert await mesh.tokens("a") == reference(p)
+        st = mesh.decode.stats()
+        assert st["kv_writes_fenced"] == 1 and st["kv_writes_applied"] == 0
+        assert st["prefill_fallbacks"] == 1
+        assert mesh.prefill.stats()["jobs_failed"] == 1     # and prefill says so too
+    finally:
+        await mesh.close()
+
+
+@pytest.mark.parametrize("delivered", [1, 2])
+async def test_a_first_delivery_computes_while_its_claim_is_answered(
+        tiny_target, tiny_prompts, reference, delivered):
+    """The claim is answered only once prefill's engine has computed the prompt: a first
+    delivery gets there (it claimed while computing) and its output is right; a
+    redelivered job claims first: nothing is admitted while its claim is out."""
+    mesh = LocalMesh(tiny_target)
+    await mesh.start()
+    seen = []
+
+    async def after_compute():
+        eng = mesh.prefill.engine
+        if delivered == 1:
+            await until(lambda: eng.stats()["prompt_tokens"] > 0 and not mesh.prefill.pending)
+        seen.append(eng.stats()["prompt_tokens"])
+
+    try:
+        mesh.claim_gate = after_compute
+        p = prompt(tiny_prompts, 4)
+        await mesh.submit("a", p, max_tokens=MAX_TOKENS, ignore_eos=True)
+        task, _ = mesh.run_job(delivered)
+        await task
+        assert await mesh.tokens("a") == reference(p)
+        assert (seen[0] > 0) == (delivered == 1)
+    finally:
+        await mesh.close()
