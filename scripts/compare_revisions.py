@@ -6,7 +6,8 @@ ratios (JSON + PNG). Used to show that a change that should not change speed did
 Each revision runs from its own temporary git worktree (committed code only: edits in
 progress in this checkout never leak into a measurement) with this checkout's venv. Benchmarks: the engine benchmark on the tiny
 model (float32, one thread) and the mesh benchmark (`pdmesh bench --spawn`, one prefill,
-one decode, one thread each). Rounds alternate base/head so drift hits both alike; each
+one decode, one thread each), and `ttft` (PD vs colocated TTFT, pdmesh.bench_ttft's default
+mesh, short prompts). Rounds alternate base/head so drift hits both alike; each
 metric is the median over rounds.
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ BENCHES = {
                "--threads", "1", "--prompts", "8", "--max-tokens", "32"],
     "mesh": ["-m", "pdmesh.cli", "bench", "--spawn", "--model", "models/tiny-target",
              "--threads", "1"],
+    "ttft": ["-m", "pdmesh.bench_ttft", "--configs", "default", "--short", "40", "--long", "1"],
 }
 
 
@@ -39,6 +41,13 @@ def metrics(name: str, out: Path) -> dict[str, float]:
     """The numbers worth comparing from one benchmark's JSON."""
     f = next(out.glob(f"{name}_*.json"))
     d = json.loads(f.read_text())
+    if name == "ttft":
+        s = d["configs"]["default"]["short"]
+        gaps = [a - b for a, b in zip(s["pd"]["ttft_s"], s["colocated"]["ttft_s"])]
+        return {"ttft_short_pd_p50_ms": s["pd"]["ttft_p50_s"] * 1e3,
+                "ttft_short_colocated_p50_ms": s["colocated"]["ttft_p50_s"] * 1e3,
+                "ttft_short_pd_over_colocated": s["ratio_p50"],
+                "ttft_short_pd_minus_colocated_ms": statistics.median(gaps) * 1e3}
     if name == "engine":
         return {f"engine_{label}_tok_s": r["tokens_per_s"] for label, r in d["runs"].items()
                 if label.startswith("engine")}

@@ -94,6 +94,11 @@ class RequestTable:
     def live(self) -> Iterator[DecodeRequest]:
         return (r for r in list(self.records.values()) if r.live)
 
+    def awaiting_kv(self) -> int:
+        """Requests whose KV is still coming (stats()' awaiting_kv, without its latency
+        percentiles: asked on every submission)."""
+        return sum(1 for r in self.records.values() if r.wants_kv)
+
     # ---- prefill side events --------------------------------------------------------
     def claim(self, rid: str, attempt: str, instance: str, block_ids: list[int],
               epochs: list[int]) -> tuple[bool, str]:
@@ -278,7 +283,7 @@ class RequestTable:
                 "requests_live": sum(1 for _ in self.live()),
                 "requests_quarantined": len(quarantined),
                 "blocks_quarantined": sum(len(r.quarantine.grant.held) for r in quarantined),
-                "awaiting_kv": sum(1 for r in self.records.values() if r.wants_kv),
+                "awaiting_kv": self.awaiting_kv(),
                 "claims_granted": self.claims["granted"], "claims_refused": self.claims["refused"],
                 "kv_writes_stray": self.stray_writes,
                 "kv_writes_not_owner": self.foreign_writes,

@@ -19,10 +19,8 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import msgspec
-
 from shared import subjects, tracing
-from shared.contracts.common import Codec, ContractError, ErrorCode, ErrorReply, Ok, encode
+from shared.contracts.common import Codec, ContractError, ErrorCode, Ok, encode
 from shared.contracts.kv import KvWrite, KvWriteAck
 from shared.contracts.messages import (
     Abort,
@@ -51,7 +49,7 @@ from shared.service import ServiceError, ServiceRuntime, new_instance_id
 
 from . import inject
 from .config import DecodeConfig
-from .jobs import make_prefill_job
+from .jobs import carried_done, make_prefill_job
 from .lifecycle import Next, RequestTable
 from .monitor import RULES, AnomalyMonitor
 from .orphans import GatewayWatch
@@ -227,7 +225,7 @@ class DecodeService:
                                sub.request_id)
         if self.table.get(sub.request_id) is not None:
             raise ServiceError(ErrorCode.INVALID_REQUEST, "duplicate request id", sub.request_id)
-        queued = self.engine.stats()["waiting"] + self.table.stats()["awaiting_kv"]
+        queued = len(self.engine.scheduler.waiting) + self.table.awaiting_kv()
         if queued >= self.cfg.max_queued:
             raise ServiceError(ErrorCode.OVERLOADED, f"{queued} requests queued here "
                                f"(max_queued {self.cfg.max_queued})", sub.request_id)
@@ -245,7 +243,7 @@ class DecodeService:
             tier = await self.kvc.lookup(self.engine.prefix_keys(sub.prompt_ids, sub.cache_salt))
         with tracing.span("reserve", kvstore_blocks=tier):
             slots = self.slots.reserve(sub.request_id, sub.prompt_ids, sub.params, sub.constraint,
-                                       tier, self.table.stats()["awaiting_kv"], sub.resume_from,
+                                       tier, self.table.awaiting_kv(), sub.resume_from,
                                        sub.cache_salt)
             if slots.load is not None:
                 self.rt.spawn(self.kvc.load(self.engine, slots.load))
@@ -292,20 +290,10 @@ class DecodeService:
         self.counters["kv_writes_applied" if landed else "kv_writes_fenced"] += 1
         self.counters["kv_bytes"] += len(payload) if landed else 0
         if w.done is not None:     # the attempt's only write: its PrefillDone rides along
-            done = w.done
-            if not landed or done.request_id != w.request_id or done.writes_issued != 1:
-                done = msgspec.structs.replace(
-                    done, request_id=w.request_id, status=PrefillStatus.FAILED, writes_issued=1,
-                    error=ErrorReply(code=ErrorCode.PREFILL_FAILED, request_id=w.request_id,
-                                     message="the write carrying PrefillDone did not land"))
-            await self.prefill_finished(msgspec.structs.replace(done, attempt=attempt))
+            await self.on_prefill_done(carried_done(w, landed, attempt))
         return KvWriteAck(request_id=w.request_id, seq=w.seq, applied=landed)
 
     async def on_prefill_done(self, done: PrefillDone) -> bytes:
-        await self.prefill_finished(done)
-        return encode(Ok(request_id=done.request_id))
-
-    async def prefill_finished(self, done: PrefillDone) -> None:
         """An attempt has stopped writing (its PrefillDone, on its own or in its write)."""
         rid, attempt = done.request_id, done.attempt or done.prefill_instance
         nxt = self.table.prefill_done(rid, attempt, done.status is PrefillStatus.OK,
@@ -319,6 +307,7 @@ class DecodeService:
         elif nxt is Next.START:
             await self._start(done)
         self.wake.set()
+        return encode(Ok(request_id=rid))
 
     async def _start(self, done: PrefillDone) -> None:
         rid = done.request_id

@@ -20,6 +20,7 @@ attempt. Test-only faults wrap the kvstore client, the transport and the sender
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -31,7 +32,6 @@ import nats.errors
 from shared import subjects, tracing
 from shared.contracts.common import Codec, ContractError, ErrorCode, ErrorReply
 from shared.contracts.messages import Heartbeat, PrefillDone, PrefillJob, PrefillStatus
-from shared.contracts.reclaim import PrefillClaim
 from shared.engine.engine import LLMEngine
 from shared.engine.output import RequestOutput
 from shared.engine_loop import run_engine_loop
@@ -44,7 +44,7 @@ from shared.kv.writeback import WriteBack
 from shared.precompile import precompile
 from shared.service import ServiceRuntime, new_instance_id
 
-from . import inject, layersplit
+from . import claiming, inject, layersplit
 from .config import PrefillConfig
 from .ledger import Phase, WriteLedger
 from .peers import NatsPrefillPeers, PrefillPeers
@@ -216,7 +216,8 @@ class PrefillService:
         compute) claim first, so a refused claim costs them no compute."""
         local_id = f"{job.request_id}/{attempt[:8]}"
         early = not redelivered and not self.sender.will_stream(job, self.engine)
-        claim = asyncio.ensure_future(self.claim(job, attempt))
+        claim = asyncio.ensure_future(claiming.claim(self.peers, self.ledger, self.iid, job,
+                                                     attempt, self.cfg.claim_timeout_s))
         if not early and not await claim:
             self.counters["jobs_refused"] += 1
             return None
@@ -233,36 +234,12 @@ class PrefillService:
             if not await claim:
                 self.counters["jobs_refused"] += 1
                 return None
-            log.debug("%s: attempt %s claimed", job.request_id, attempt)
-            log.debug("%s: attempt %s computed in %.3fs", job.request_id, attempt, compute_s)
+            log.debug("%s: attempt %s claimed, computed in %.3fs", job.request_id, attempt,
+                      compute_s)
             if self.ledger.get(attempt).phase is Phase.CANCELLED:
                 raise Reclaimed(f"{job.request_id}: reclaimed before its last write")
-            lp = out.logprobs[0] if out.logprobs else (None, None, None)
-
-            def ok_done(writes: int, nbytes: int, transfer_s: float = 0.0) -> PrefillDone:
-                return PrefillDone(request_id=job.request_id, status=PrefillStatus.OK,
-                                   prefill_instance=self.iid, first_token=out.new_token_ids[0],
-                                   first_logprob=lp[1], first_top_logprobs=lp[2],
-                                   writes_issued=writes, bytes_sent=nbytes,
-                                   compute_s=compute_s, transfer_s=transfer_s,
-                                   attempt=attempt, cached_tokens=out.num_cached_tokens)
-
-            t1 = time.monotonic()
-            with tracing.span("kv_transfer", decode=job.dest.instance_id):
-                writes, nbytes = await self.sender.send(job, self.engine, local_id, attempt,
-                                                        final=ok_done)
-            transfer_s = time.monotonic() - t1
-            log.debug("%s: attempt %s sent %d writes", job.request_id, attempt, writes)
-            self.counters["kv_writes"] += writes
-            self.counters["kv_bytes"] += nbytes
-            self.counters["kv_transfer_s"] += transfer_s
-            self.counters["kv_max_write_bytes"] = self.sender.max_write_bytes
-            keys = self.engine.prefix_keys(job.prompt_ids, job.cache_salt)[tier:]
-            self.write_back(self.engine, self.engine.kept_blocks(local_id)[tier:tier + len(keys)],
-                            keys)
-            if self.group is not None:   # the group lacks some of them: LayerSplit
-                self.group.insert(self.engine, *self.engine.computed_prompt_blocks(local_id))
-            return ok_done(writes, nbytes, transfer_s)
+            done = functools.partial(claiming.ok_done, job, self.iid, attempt, out, compute_s)
+            return await self.transfer(job, attempt, local_id, tier, done)
         except Reclaimed as e:
             log.debug("%s", e)
             self.counters["jobs_reclaimed"] += 1
@@ -287,21 +264,23 @@ class PrefillService:
             self.sender.drop(local_id)
             self.engine.release(local_id)
 
-    async def claim(self, job: PrefillJob, attempt: str) -> bool:
-        """Ask decode for the job's blocks; False when refused, unanswered, or reclaimed
-        while asking."""
-        c = PrefillClaim(request_id=job.request_id, attempt=attempt, prefill_instance=self.iid,
-                         block_ids=job.dest.block_ids, epochs=job.dest.epochs)
-        try:
-            with tracing.span("claim", kind="CLIENT", decode=job.dest.instance_id):
-                reply = await self.peers.claim(job.dest.instance_id, c, self.cfg.claim_timeout_s)
-        except Exception as e:  # noqa: BLE001 - decode gone or silent: it cannot use this KV
-            log.info("%s: claim unanswered (%r); dropping the job", job.request_id, e)
-            return False
-        if not reply.granted:
-            log.debug("%s: claim refused: %s", job.request_id, reply.reason)
-            return False
-        return self.ledger.granted(attempt)
+    async def transfer(self, job: PrefillJob, attempt: str, local_id: str, tier: int,
+                       done) -> PrefillDone:
+        """Send the computed prompt's KV (the only write carries `done`), then keep its
+        blocks: kvstore write-back, the LayerSplit group."""
+        t1 = time.monotonic()
+        with tracing.span("kv_transfer", decode=job.dest.instance_id):
+            writes, nbytes = await self.sender.send(job, self.engine, local_id, attempt,
+                                                    final=done)
+        transfer_s = time.monotonic() - t1
+        for k, v in (("kv_writes", writes), ("kv_bytes", nbytes), ("kv_transfer_s", transfer_s)):
+            self.counters[k] += v
+        self.counters["kv_max_write_bytes"] = self.sender.max_write_bytes
+        keys = self.engine.prefix_keys(job.prompt_ids, job.cache_salt)[tier:]
+        self.write_back(self.engine, self.engine.kept_blocks(local_id)[tier:tier + len(keys)], keys)
+        if self.group is not None:   # the group lacks some of them: LayerSplit
+            self.group.insert(self.engine, *self.engine.computed_prompt_blocks(local_id))
+        return done(writes, nbytes, transfer_s)
 
     def refuse_reason(self, job: PrefillJob) -> tuple[ErrorCode, str] | None:
         if job.tokenizer_fingerprint != self.fingerprint:
