@@ -228,7 +228,8 @@ class PrefillService:
             with tracing.span("compute", prompt_tokens=len(job.prompt_ids)):
                 work = asyncio.ensure_future(self.compute(local_id, job))
                 await asyncio.wait({claim, work}, return_when=asyncio.FIRST_COMPLETED)
-                if not (claim.done() and not claim.result()):
+                refused_first = claim.done() and not claim.result()
+                if not refused_first:
                     out, tier = await work
             compute_s = time.monotonic() - t0
             if not await claim:

@@ -12,17 +12,23 @@ from .local_mesh import MAX_TOKENS, LocalMesh, until
 from .test_handlers import prompt
 
 
+async def serve_one(mesh: LocalMesh, p: list[int], reference, delivered: int = 1):
+    """Submit p, let prefill run its job, check decode's tokens against the engine alone;
+    the job's message."""
+    await mesh.submit("a", p, max_tokens=MAX_TOKENS, ignore_eos=True)
+    task, msg = mesh.run_job(delivered)
+    await task
+    assert await mesh.tokens("a") == reference(p)
+    return msg
+
+
 async def test_a_prompt_in_one_write_starts_on_that_write(tiny_target, tiny_prompts, reference):
     """One KV write carries the PrefillDone: no separate message, the output is the
     engine alone's, nothing is left open on either side."""
     mesh = LocalMesh(tiny_target)
     await mesh.start()
     try:
-        p = prompt(tiny_prompts, 0)
-        await mesh.submit("a", p, max_tokens=MAX_TOKENS, ignore_eos=True)
-        task, msg = mesh.run_job()
-        await task
-        assert await mesh.tokens("a") == reference(p)
+        msg = await serve_one(mesh, prompt(tiny_prompts, 0), reference)
         pre = mesh.prefill.stats()
         assert msg.acked and pre["kv_writes"] == 1 and pre["kv_done_in_write"] == 1
         assert mesh.dones == [] and pre["jobs_done"] == 1
@@ -38,11 +44,7 @@ async def test_a_prompt_in_several_writes_reports_after_them(tiny_target, tiny_p
     mesh = LocalMesh(tiny_target, prefill={"kv_max_write_bytes": 16 << 10})
     await mesh.start()
     try:
-        p = prompt(tiny_prompts, 1)
-        await mesh.submit("a", p, max_tokens=MAX_TOKENS, ignore_eos=True)
-        task, _ = mesh.run_job()
-        await task
-        assert await mesh.tokens("a") == reference(p)
+        await serve_one(mesh, prompt(tiny_prompts, 1), reference)
         pre = mesh.prefill.stats()
         assert pre["kv_writes"] > 1 and pre["kv_done_in_write"] == 0
         assert [d.writes_issued for d in mesh.dones] == [pre["kv_writes"]]
@@ -72,11 +74,7 @@ async def test_a_fenced_write_never_starts_its_request(tiny_target, tiny_prompts
     await mesh.start()
     try:
         mesh.prefill.sender.transport = StaleEpochs(mesh.kv)
-        p = prompt(tiny_prompts, 2)
-        await mesh.submit("a", p, max_tokens=MAX_TOKENS, ignore_eos=True)
-        task, _ = mesh.run_job()
-        await task
-        assert await mesh.tokens("a") == reference(p)
+        await serve_one(mesh, prompt(tiny_prompts, 2), reference)
         st = mesh.decode.stats()
         assert st["kv_writes_fenced"] == 1 and st["kv_writes_applied"] == 0
         assert st["prefill_fallbacks"] == 1
@@ -103,11 +101,7 @@ async def test_a_first_delivery_computes_while_its_claim_is_answered(
 
     try:
         mesh.claim_gate = after_compute
-        p = prompt(tiny_prompts, 4)
-        await mesh.submit("a", p, max_tokens=MAX_TOKENS, ignore_eos=True)
-        task, _ = mesh.run_job(delivered)
-        await task
-        assert await mesh.tokens("a") == reference(p)
+        await serve_one(mesh, prompt(tiny_prompts, 4), reference, delivered)
         assert (seen[0] > 0) == (delivered == 1)
     finally:
         await mesh.close()
