@@ -7,7 +7,8 @@ Each revision runs from its own temporary git worktree (committed code only: edi
 progress in this checkout never leak into a measurement) with this checkout's venv. Benchmarks: the engine benchmark on the tiny
 model (float32, one thread) and the mesh benchmark (`pdmesh bench --spawn`, one prefill,
 one decode, one thread each), and `ttft` (PD vs colocated TTFT, pdmesh.bench_ttft's default
-mesh, short prompts). Rounds alternate base/head so drift hits both alike; each
+mesh, short prompts), and `kv` (pdmesh.bench_kv: KV transfer MB/s and its ratio to raw nats-py).
+Rounds alternate base/head so drift hits both alike; each
 metric is the median over rounds.
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ BENCHES = {
     "mesh": ["-m", "pdmesh.cli", "bench", "--spawn", "--model", "models/tiny-target",
              "--threads", "1"],
     "ttft": ["-m", "pdmesh.bench_ttft", "--configs", "default", "--short", "40", "--long", "1"],
+    "kv": ["-m", "pdmesh.bench_kv", "--reps", "5"],
 }
 
 
@@ -48,6 +50,9 @@ def metrics(name: str, out: Path) -> dict[str, float]:
                 "ttft_short_colocated_p50_ms": s["colocated"]["ttft_p50_s"] * 1e3,
                 "ttft_short_pd_over_colocated": s["ratio_p50"],
                 "ttft_short_pd_minus_colocated_ms": statistics.median(gaps) * 1e3}
+    if name == "kv":
+        return {f"kv_{k}": r["bytes_per_s"] / 1e6 for k, r in d["runs"].items()} | {
+            f"kv_{k}_vs_raw": r["vs_raw"] for k, r in d["runs"].items()}
     if name == "engine":
         return {f"engine_{label}_tok_s": r["tokens_per_s"] for label, r in d["runs"].items()
                 if label.startswith("engine")}

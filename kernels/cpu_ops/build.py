@@ -1,4 +1,4 @@
-"""The C++ extension (ops.cpp), built once per source, torch version and CPU.
+"""The C++ extension (ops.cpp, kv_copy.cpp), built once per source, torch version and CPU.
 
 torch.utils.cpp_extension compiles it with -O3 -march=native into
 ~/.cache/pdmesh/ext/ (PDMESH_EXT_DIR), keyed by a digest of the source, the torch version
@@ -19,6 +19,7 @@ import torch
 
 log = logging.getLogger("pdmesh.kernels")
 SOURCE = Path(__file__).with_name("ops.cpp")
+SOURCES = (SOURCE, Path(__file__).with_name("kv_copy.cpp"))
 _cache: dict[str, object] = {}
 
 
@@ -33,7 +34,7 @@ def _cpu_flags() -> str:
 
 
 def build_dir() -> Path:
-    digest = hashlib.sha256(SOURCE.read_bytes() + Path(__file__).read_bytes()
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + Path(__file__).read_bytes()
                             + torch.__version__.encode()
                             + _cpu_flags().encode()).hexdigest()[:16]
     root = Path(os.environ.get("PDMESH_EXT_DIR", Path.home() / ".cache" / "pdmesh" / "ext"))
@@ -45,7 +46,8 @@ def enabled() -> bool:
 
 
 def load():
-    """The compiled module (quant_rows, dequant_rows, paged_decode, slots_decode), or None
+    """The compiled module (quant_rows, dequant_rows, paged_decode, slots_decode,
+    kv_gather, kv_scatter, word_dot), or None
     (off, or the build failed: logged once)."""
     if "mod" in _cache:
         return _cache["mod"]
@@ -66,7 +68,7 @@ def load():
         if fresh:
             log.info("building the C++ CPU ops in %s (once)", out)
         try:
-            mod = cpp_extension.load(name="pdmesh_cpu_ops", sources=[str(SOURCE)],
+            mod = cpp_extension.load(name="pdmesh_cpu_ops", sources=[str(p) for p in SOURCES],
                                      build_directory=str(out),
                                      extra_cflags=["-O3", "-march=native"], verbose=False)
             if fresh:

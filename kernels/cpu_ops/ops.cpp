@@ -278,10 +278,20 @@ torch::Tensor slots_decode(const torch::Tensor& q, const torch::Tensor& kf,
   return out;
 }
 
+// kv_copy.cpp: the KV wire's gather, scatter and checksum words
+void kv_gather(const torch::Tensor& kv, const std::vector<int64_t>& ids, int64_t l0,
+               int64_t l1, py::buffer out);
+void kv_scatter(torch::Tensor& kv, const std::vector<int64_t>& ids, int64_t l0, int64_t l1,
+                py::buffer payload);
+uint64_t word_dot(py::buffer data, py::buffer weights, int64_t n);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_rows", &quant_rows, "int8 (or uint8 + 128) rows + float32 row scales",
         py::arg("x"), py::arg("inv") = py::none(), py::arg("u8") = false);
   m.def("paged_decode", &paged_decode, "decode attention over a paged cache, in place");
   m.def("slots_decode", &slots_decode, "one decode row over flat slots, in place");
   m.def("dequant_rows", &dequant_rows, "int32 GEMM result * sx[m] * sw[n] -> dtype");
+  m.def("kv_gather", &kv_gather, "pool blocks x layers -> a KV write's payload buffer");
+  m.def("kv_scatter", &kv_scatter, "a KV write's payload -> pool blocks x layers, in place");
+  m.def("word_dot", &word_dot, "sum of 8-byte words times weights, mod 2^64");
 }

@@ -15,7 +15,10 @@ writes), one header room, two payload layouts:
                  the LAYER_SUMS header).
 
 Payloads are handed out as flat memoryviews over one contiguous buffer (no copy after the
-gather) and read back with torch.frombuffer (no copy before the scatter). torch is imported
+gather) and read in place by the scatter. On a CPU pool the gather, the scatter and the
+write checksum's words run in C++ (kernels/cpu_ops/kv_copy.cpp: row memcpys, ~6x torch's
+index_copy_); without the extension, torch's index_select / index_copy_ and numpy's dot
+give the same bytes and the same checksum. torch is imported
 only by the functions that need it: kvstore uses the byte-level half without loading torch.
 """
 from __future__ import annotations
@@ -65,19 +68,35 @@ def _weights_for(words: int):
     return w
 
 
+def _ext():
+    """The C++ ops (kernels/cpu_ops: kv_gather, kv_scatter, word_dot), or None: built or
+    loaded once per process by the first KV write (prefill and decode load them anyway)."""
+    mod = _mod[0]
+    if mod is False:
+        from kernels.cpu_ops.build import load
+        mod = _mod[0] = load()
+    return mod
+
+
+_mod: list = [False]
+
+
 def write_checksum(data: Buffer) -> int:
     """The checksum of a prefill -> decode KV write (KvWrite.checksum): the payload's 8-byte
-    words times fixed random odd 64-bit weights, summed mod 2^64 (numpy: several times
-    crc32's speed; any change of one word, or of a few, changes it but with negligible
-    chance), mixed with the tail bytes and the length. Not for adversaries: a transport
-    and memory check, like the crc32 kvstore keeps on disk."""
+    words times fixed random odd 64-bit weights, summed mod 2^64 (C++ word_dot, else numpy's
+    dot: several times crc32's speed; any change of one word, or of a few, changes it but
+    with negligible chance), mixed with the tail bytes and the length. Not for
+    adversaries: a transport and memory check, like the crc32 kvstore keeps on disk."""
     import numpy as np
     mv = memoryview(data).cast("B")
     n = len(mv) // 8
     h = 0
     if n:
-        a = np.frombuffer(mv, dtype=np.uint64, count=n)
-        h = int(np.dot(a, _weights_for(n)[:n]))
+        w, ext = _weights_for(n), _ext()
+        if ext is not None:
+            h = ext.word_dot(mv, w, n)
+        else:
+            h = int(np.dot(np.frombuffer(mv, dtype=np.uint64, count=n), w[:n]))
     tail = int.from_bytes(mv[n * 8:], "little")
     return (h ^ (tail * _MIX) ^ (len(mv) * 0xC2B2AE3D27D4EB4F)) & ((1 << 64) - 1)
 
@@ -86,8 +105,8 @@ OFFLOAD_BYTES = 1 << 20     # a write checksum over more bytes than this runs of
 
 
 async def checksum_async(data: Buffer) -> int:
-    """write_checksum() without holding the event loop for a large payload (numpy's dot
-    drops the GIL: a worker thread runs it while the loop serves other writes)."""
+    """write_checksum() without holding the event loop for a large payload (word_dot and
+    numpy's dot drop the GIL: a worker thread runs it while the loop serves other writes)."""
     if len(data) < OFFLOAD_BYTES:
         return write_checksum(data)
     import asyncio
@@ -103,7 +122,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def layer_bytes(kv: torch.Tensor) -> int:
     """Bytes of one layer of one block (K and V) of a pool [L, 2, NB, BS, Hkv, D]."""
-    return kv[0, :, 0].numel() * kv.element_size()
+    return 2 * kv.shape[3] * kv.shape[4] * kv.shape[5] * kv.element_size()
 
 
 def _flat(t: torch.Tensor) -> memoryview:
@@ -162,8 +181,15 @@ def pack(kv: torch.Tensor, blocks: list[int], l0: int, l1: int,
     in one copy into one contiguous buffer (plus the copy to host for a device pool). out:
     a writable buffer of exactly piece_bytes() to gather into (a shared-memory region)."""
     import torch
-    ids = torch.tensor(blocks, dtype=torch.long, device=kv.device)
     shape = [l1 - l0, 2, len(blocks), *kv.shape[3:]]
+    ext = None if kv.is_cuda or not kv.is_contiguous() else _ext()
+    if ext is not None:         # row memcpys straight into the payload (kv_copy.cpp)
+        if out is None:
+            import numpy as np
+            out = memoryview(np.empty(piece_bytes(kv, len(blocks), l0, l1), np.uint8))
+        ext.kv_gather(kv, blocks, l0, l1, out)
+        return out, shape
+    ids = torch.tensor(blocks, dtype=torch.long, device=kv.device)
     if out is None:
         return _flat(kv[l0:l1].index_select(2, ids).cpu()), shape
     dst = torch.frombuffer(out, dtype=torch.uint8).view(kv.dtype).view(*shape)
@@ -184,6 +210,10 @@ def unpack_into(kv: torch.Tensor, blocks: list[int], l0: int, l1: int, payload: 
             or len(payload) != nbytes):
         raise ValueError(f"KV payload {dtype}{list(shape)} ({len(payload)} B) does not fit "
                          f"pool {str(kv.dtype).removeprefix('torch.')}{want}")
+    ext = None if kv.is_cuda or not kv.is_contiguous() else _ext()
+    if ext is not None:         # row memcpys from the payload (kv_copy.cpp)
+        ext.kv_scatter(kv, blocks, l0, l1, payload)
+        return
     ids = torch.tensor(blocks, dtype=torch.long, device=kv.device)
     kv[l0:l1].index_copy_(2, ids, _view(payload, kv.dtype, want).to(kv.device))
 

@@ -1,0 +1,86 @@
+"""The KV wire's C++ copies (kernels/cpu_ops/kv_copy.cpp) give the bytes, the pool contents
+and the checksum that the torch / numpy path gives, and refuse what it refuses: a block id
+outside the pool, a payload of the wrong size."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from kernels.cpu_ops import load
+from shared.kv import wire
+
+pytestmark = pytest.mark.skipif(load() is None, reason="C++ CPU ops not built")
+
+
+@pytest.fixture
+def torch_path(monkeypatch):
+    """Run the wire without the extension (as on a machine without a compiler)."""
+    def use(off: bool):
+        monkeypatch.setattr(wire, "_mod", [None] if off else [load()])
+    return use
+
+
+def pool(NB=40, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(6, 2, NB, 4, 3, 8, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gather_and_scatter_match_the_torch_path(dtype, torch_path):
+    rng = random.Random(1)
+    src = pool(dtype=dtype)
+    for _ in range(30):
+        blocks = rng.sample(range(40), rng.randint(1, 9))
+        l0 = rng.randrange(6)
+        l1 = rng.randint(l0 + 1, 6)
+        got = {}
+        for off in (False, True):
+            torch_path(off)
+            payload, shape = wire.pack(src, blocks, l0, l1)
+            dst = torch.zeros_like(src)
+            wire.unpack_into(dst, blocks, l0, l1, payload, wire.dtype_name(dtype), shape)
+            got[off] = bytes(payload), dst
+        assert got[False][0] == got[True][0]
+        assert torch.equal(got[False][1], got[True][1])
+        assert torch.equal(got[False][1][l0:l1, :, blocks], src[l0:l1, :, blocks])
+
+
+def test_gather_into_a_given_buffer(torch_path):
+    src = pool()
+    n = wire.piece_bytes(src, 3, 1, 4)
+    out = memoryview(bytearray(n))
+    payload, _ = wire.pack(src, [5, 0, 39], 1, 4, out=out)
+    assert payload is out
+    assert bytes(out) == src[1:4][:, :, [5, 0, 39]].contiguous().view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("cut", [0, 1, 3, 7])
+def test_checksum_matches_numpy_at_any_length_and_offset(cut, torch_path):
+    data = np.random.default_rng(cut).integers(0, 256, 200_003, dtype=np.uint8).tobytes()
+    for lo in (0, 1, 5):
+        mv = memoryview(data)[lo:len(data) - cut]          # unaligned words too
+        sums = []
+        for off in (False, True):
+            torch_path(off)
+            sums.append(wire.write_checksum(mv))
+        assert sums[0] == sums[1]
+        bad = bytearray(mv)
+        bad[len(bad) // 2] ^= 4
+        assert wire.write_checksum(bad) != sums[0]
+
+
+def test_bad_block_ids_and_sizes_are_refused():
+    src = pool()
+    payload, shape = wire.pack(src, [1, 2], 0, 6)
+    for blocks in ([40, 2], [-1, 2]):
+        with pytest.raises(RuntimeError, match="block id out of range"):
+            wire.pack(src, blocks, 0, 6)
+        with pytest.raises(RuntimeError, match="block id out of range"):
+            wire.unpack_into(src.clone(), blocks, 0, 6, payload, "bfloat16", shape)
+    with pytest.raises(RuntimeError, match="payload of"):
+        wire.pack(src, [1, 2], 0, 6, out=memoryview(bytearray(len(payload) - 2)))
+    with pytest.raises(RuntimeError, match="layers out of range"):
+        load().kv_scatter(src, [1, 2], 5, 7, payload)
