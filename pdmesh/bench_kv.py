@@ -33,12 +33,17 @@ SMOLLM2 = {"layers": 30, "kv_heads": 3, "head_dim": 64, "block_size": 16}
 
 def start_nats() -> tuple[subprocess.Popen, str, Path]:
     from pdmesh.launch import free_port, nats_server_binary
+    from pdmesh.natsconf import MAX_PAYLOAD, MAX_PENDING
 
     port = free_port()
     d = Path(tempfile.mkdtemp(prefix="pdmesh-benchkv-"))
-    (d / "nats.conf").write_text(f"listen: 127.0.0.1:{port}\nmax_payload: 8MB\n")
-    proc = subprocess.Popen([nats_server_binary(), "-c", str(d / "nats.conf")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # max_pending as the mesh's config sets it (natsconf.py): the raw baseline's window of
+    # 8 x 7.5 MB requests sits at the server's default 64 MB a connection may fall behind
+    (d / "nats.conf").write_text(f"listen: 127.0.0.1:{port}\nmax_payload: {MAX_PAYLOAD}\n"
+                                 f"max_pending: {MAX_PENDING}\n")
+    with open(d / "nats.log", "wb") as logf:        # a slow consumer shows up here
+        proc = subprocess.Popen([nats_server_binary(), "-c", str(d / "nats.conf")],
+                                stdout=logf, stderr=subprocess.STDOUT)
     time.sleep(0.5)
     return proc, f"nats://127.0.0.1:{port}", d
 

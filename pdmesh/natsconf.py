@@ -14,6 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MAX_PAYLOAD = "8MB"          # nats-server reads MB as MiB: 8388608 bytes (KV writes, jobs)
+# How far a connection may fall behind before the server drops it as a slow consumer
+# (default 64 MB): decode's inbound KV is bounded per job (kv_window x max_payload = 64 MiB),
+# and a prefill worker runs up to 4 jobs at once, so one worker's writes alone reach 256 MiB
+MAX_PENDING = "256MB"
 CLUSTER_NAME = "pdmesh"
 
 
@@ -70,6 +74,7 @@ def node_conf(node: NatsNode, nodes: list[NatsNode], store_dir: str | Path,
              f"server_name: {node.name}",
              f"listen: {bind}:{node.port}",
              f"max_payload: {MAX_PAYLOAD}",
+             f"max_pending: {MAX_PENDING}",
              "jetstream {", f"  store_dir: \"{store_dir}\"", "}"]
     if node.http_port:
         lines.append(f"http: {bind}:{node.http_port}")
@@ -131,6 +136,7 @@ def compose_conf() -> str:
         f"listen: 0.0.0.0:{p['client']}",
         f"http: 127.0.0.1:{p['http']}          # /healthz for the container health check only",
         f"max_payload: {MAX_PAYLOAD}           # KV block writes travel as single messages",
+        f"max_pending: {MAX_PENDING}         # decode may fall this far behind its KV writes",
         "jetstream {",
         "  store_dir: /data              # prefill job queue (work-queue stream, R3)",
         "}",
