@@ -64,13 +64,25 @@ def metrics(name: str, out: Path) -> dict[str, float]:
     return m
 
 
-def run(rev_dir: Path, name: str, tmp: Path) -> dict[str, float]:
-    out = tmp / f"{rev_dir.name}-{name}-{time.monotonic_ns()}"
-    cmd = [str(PY), *BENCHES[name], "--out", str(out)]
-    log(f"{rev_dir}: {' '.join(BENCHES[name])}")
-    subprocess.run(cmd, cwd=rev_dir, check=True, stdout=subprocess.DEVNULL,
-                   env={"PYTHONPATH": str(rev_dir), "PATH": "/usr/bin:/bin"})
-    return metrics(name, out)
+FAILURES: list[dict] = []     # benchmark runs that failed and were rerun (in the JSON)
+
+
+def run(rev_dir: Path, name: str, tmp: Path, tries: int = 3) -> dict[str, float]:
+    """One benchmark run on one revision; a run that fails (a benchmark over a real
+    nats-server can lose its responder) is rerun, up to `tries` in all, and recorded."""
+    for attempt in range(1, tries + 1):
+        out = tmp / f"{rev_dir.name}-{name}-{time.monotonic_ns()}"
+        cmd = [str(PY), *BENCHES[name], "--out", str(out)]
+        log(f"{rev_dir}: {' '.join(BENCHES[name])}")
+        p = subprocess.run(cmd, cwd=rev_dir, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           text=True, env={"PYTHONPATH": str(rev_dir), "PATH": "/usr/bin:/bin"})
+        if p.returncode == 0:
+            return metrics(name, out)
+        tail = p.stderr.strip().splitlines()[-1:] or [""]
+        FAILURES.append({"rev": rev_dir.name, "bench": name, "attempt": attempt,
+                         "rc": p.returncode, "error": tail[0]})
+        log(f"{rev_dir.name} {name} failed (rc {p.returncode}): {tail[0]}")
+    raise SystemExit(f"{name} on {rev_dir.name} failed {tries} times")
 
 
 def main() -> int:
@@ -105,7 +117,7 @@ def main() -> int:
                 "head_over_base": statistics.median(v) / statistics.median(results["base"][k])}
             for k, v in results["head"].items() if k in results["base"]}
     doc = {"base": a.base, "head": head_rev, "rounds": a.rounds, "metrics": rows,
-           "raw": results}
+           "raw": results, "failed_runs": FAILURES}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "compare_revisions.json").write_text(json.dumps(doc, indent=1))
