@@ -43,10 +43,12 @@ def test_kv_write_headers_roundtrip():
     assert KvWrite.from_headers(h) == w
     w2 = msgspec.structs.replace(w, attempt="a1b2")
     assert KvWrite.from_headers(w2.headers()) == w2
-    with pytest.raises(ContractError):
-        KvWrite.from_headers({"Pdmesh-request_id": "r"})
-    with pytest.raises(ContractError):
-        KvWrite.from_headers(None)
+    with pytest.raises(ContractError, match="older pdmesh"):    # a mesh mid-upgrade
+        KvWrite.from_headers({"Pdmesh-request_id": "r", "Pdmesh-seq": "0", "Pdmesh-v": "1"})
+    for bad in (None, {}, {"Pdmesh-write": "{"}, {"Pdmesh-write": '{"request_id": 5}'},
+                {"Pdmesh-v": "1"}):
+        with pytest.raises(ContractError):
+            KvWrite.from_headers(bad)
 
 
 def test_subjects_follow_the_rules():

@@ -1,6 +1,6 @@
 """The KV wire's C++ copies (kernels/cpu_ops/kv_copy.cpp) give the bytes, the pool contents
 and the checksum that the torch / numpy path gives, and refuse what it refuses: a block id
-outside the pool, a payload of the wrong size."""
+or a layer outside the pool, a payload of the wrong size, a strided buffer."""
 from __future__ import annotations
 
 import random
@@ -72,15 +72,52 @@ def test_checksum_matches_numpy_at_any_length_and_offset(cut, torch_path):
         assert wire.write_checksum(bad) != sums[0]
 
 
-def test_bad_block_ids_and_sizes_are_refused():
+@pytest.mark.parametrize("off", [False, True], ids=["cpp", "torch"])
+def test_writes_outside_the_pool_are_refused_alike_on_both_paths(off, torch_path):
+    """A write's block ids and layers come from the bus: both paths refuse the same ones with
+    a ValueError (decode answers INVALID_REQUEST), where torch alone would wrap a negative
+    layer into the wrong layers and apply an empty layer range as a no-op."""
     src = pool()
     payload, shape = wire.pack(src, [1, 2], 0, 6)
+    torch_path(off)
     for blocks in ([40, 2], [-1, 2]):
-        with pytest.raises(RuntimeError, match="block id out of range"):
+        with pytest.raises(ValueError, match="block id outside"):
             wire.pack(src, blocks, 0, 6)
-        with pytest.raises(RuntimeError, match="block id out of range"):
+        with pytest.raises(ValueError, match="block id outside"):
             wire.unpack_into(src.clone(), blocks, 0, 6, payload, "bfloat16", shape)
+    for l0, l1 in ((-4, 2), (3, 3), (5, 7)):
+        dst = src.clone()
+        with pytest.raises(ValueError, match="layers"):
+            wire.unpack_into(dst, [1, 2], l0, l1, payload[:0] if l0 == l1 else payload,
+                             "bfloat16", [l1 - l0, 2, 2, 4, 3, 8])
+        assert torch.equal(dst, src)
+    with pytest.raises(ValueError, match="does not fit"):
+        wire.unpack_into(src.clone(), [1, 2], 0, 6, payload[:-2], "bfloat16", shape)
+    with pytest.raises(ValueError, match="not one contiguous"):
+        wire.unpack_into(src.clone(), [1, 2], 0, 6, memoryview(bytes(payload) * 2)[::2],
+                         "bfloat16", shape)
+
+
+def test_the_extension_refuses_sizes_ranges_and_strided_buffers():
+    """The C++ checks behind the Python ones: a flat memcpy of a strided view would read or
+    write past it."""
+    ext, src = load(), pool()
+    payload, _ = wire.pack(src, [1, 2], 0, 6)
     with pytest.raises(RuntimeError, match="payload of"):
-        wire.pack(src, [1, 2], 0, 6, out=memoryview(bytearray(len(payload) - 2)))
+        ext.kv_gather(src, [1, 2], 0, 6, memoryview(bytearray(len(payload) - 2)))
     with pytest.raises(RuntimeError, match="layers out of range"):
-        load().kv_scatter(src, [1, 2], 5, 7, payload)
+        ext.kv_scatter(src, [1, 2], 5, 7, payload)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        ext.kv_scatter(src, [1, 40], 0, 6, payload)
+    wide = bytearray(2 * len(payload))
+    with pytest.raises(RuntimeError, match="not contiguous"):
+        ext.kv_scatter(src, [1, 2], 0, 6, memoryview(wide)[::2])
+    with pytest.raises(RuntimeError, match="not contiguous"):
+        ext.kv_gather(src, [1, 2], 0, 6, memoryview(wide)[::2])
+    w = wire._weights_for(64)
+    with pytest.raises(RuntimeError, match="not contiguous"):
+        ext.word_dot(memoryview(bytes(1024))[::2], w, 64)
+    with pytest.raises(RuntimeError, match="fewer than n words"):
+        ext.word_dot(bytes(64), w, 9)
+    with pytest.raises(RuntimeError, match="fewer than n words"):
+        ext.word_dot(bytes(64), w, 1 << 61)     # n * 8 would wrap an int64

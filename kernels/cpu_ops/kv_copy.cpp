@@ -17,6 +17,13 @@ namespace py = pybind11;
 
 namespace {
 
+// A buffer's bytes, refused unless they are one C-contiguous run: pybind11's request()
+// accepts strided views (mv[::2]), which a flat memcpy would read or write past.
+int64_t flat_bytes(const py::buffer_info& b, const char* what) {
+  TORCH_CHECK(PyBuffer_IsContiguous(b.view(), 'C'), what, ": the buffer is not contiguous");
+  return b.size * b.itemsize;
+}
+
 struct Rows {
   char* base;
   int64_t nb, row;   // blocks in the pool, bytes per row
@@ -51,7 +58,7 @@ void each_row(const Rows& r, const std::vector<int64_t>& ids, int64_t l0, int64_
 void kv_gather(const torch::Tensor& kv, const std::vector<int64_t>& ids, int64_t l0,
                int64_t l1, py::buffer out) {
   py::buffer_info dst = out.request(true);
-  const int64_t bytes = dst.size * dst.itemsize;
+  const int64_t bytes = flat_bytes(dst, "kv_gather");
   Rows r = pool_rows(kv, ids, l0, l1, bytes, "kv_gather");
   char* d = static_cast<char*>(dst.ptr);
   py::gil_scoped_release nogil;
@@ -62,7 +69,7 @@ void kv_gather(const torch::Tensor& kv, const std::vector<int64_t>& ids, int64_t
 void kv_scatter(torch::Tensor& kv, const std::vector<int64_t>& ids, int64_t l0, int64_t l1,
                 py::buffer payload) {
   py::buffer_info src = payload.request(false);
-  const int64_t bytes = src.size * src.itemsize;
+  const int64_t bytes = flat_bytes(src, "kv_scatter");
   Rows r = pool_rows(kv, ids, l0, l1, bytes, "kv_scatter");
   const char* s = static_cast<const char*>(src.ptr);
   py::gil_scoped_release nogil;
@@ -71,8 +78,9 @@ void kv_scatter(torch::Tensor& kv, const std::vector<int64_t>& ids, int64_t l0, 
 
 uint64_t word_dot(py::buffer data, py::buffer weights, int64_t n) {
   py::buffer_info a = data.request(false), w = weights.request(false);
-  TORCH_CHECK(n >= 0 && n * 8 <= a.size * a.itemsize && n * 8 <= w.size * w.itemsize,
-              "word_dot: fewer than n words");
+  const int64_t a_words = flat_bytes(a, "word_dot") / 8, w_words = flat_bytes(w, "word_dot") / 8;
+  TORCH_CHECK(w.itemsize == 8, "word_dot: the weights are not 8-byte words");
+  TORCH_CHECK(n >= 0 && n <= a_words && n <= w_words, "word_dot: fewer than n words");
   const unsigned char* pa = static_cast<const unsigned char*>(a.ptr);
   const uint64_t* pw = static_cast<const uint64_t*>(w.ptr);
   py::gil_scoped_release nogil;

@@ -37,6 +37,9 @@ class KvWrite(msgspec.Struct, frozen=True, kw_only=True):
     def from_headers(cls, headers: dict[str, str] | None) -> "KvWrite":
         if not headers:
             raise ContractError("KV write without headers")
+        if WRITE_HEADER not in headers and "Pdmesh-request_id" in headers:
+            raise ContractError("KV write in the per-field headers of an older pdmesh (a "
+                                "prefill from before the Pdmesh-write header): upgrade it")
         try:
             return _DEC.decode(headers[WRITE_HEADER])
         except (KeyError, msgspec.ValidationError, msgspec.DecodeError) as e:

@@ -276,7 +276,11 @@ def load_model(path, mc: ModelConfig, cfg, quantize: str | None = None,
 
 def kv_pool(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
             device: str | torch.device = "cpu") -> torch.Tensor:
-    """A paged KV pool: [layers, 2, blocks, block_size, Hkv, D] zeros."""
+    """A paged KV pool: [layers, 2, blocks, block_size, Hkv, D] zeros. A host pool loads
+    the C++ ops now (its attention and its KV wire use them), not on the event loop at the
+    first decode step or KV write."""
+    if torch.device(device).type == "cpu":
+        cpu_ops_loaded()
     return torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads,
                        cfg.head_dim, dtype=dtype, device=device)
 

@@ -24,6 +24,7 @@ only by the functions that need it: kvstore uses the byte-level half without loa
 from __future__ import annotations
 
 import json
+import threading
 import warnings
 import zlib
 from collections.abc import Sequence
@@ -73,12 +74,20 @@ def _ext():
     loaded once per process by the first KV write (prefill and decode load them anyway)."""
     mod = _mod[0]
     if mod is False:
-        from kernels.cpu_ops.build import load
-        mod = _mod[0] = load()
+        with _mod_lock:             # (a checksum may run in a worker thread)
+            if _mod[0] is False:
+                try:
+                    from kernels.cpu_ops.build import load
+                except ImportError:     # no torch here (kvstore): numpy's dot serves
+                    _mod[0] = None
+                else:
+                    _mod[0] = load()
+            mod = _mod[0]
     return mod
 
 
 _mod: list = [False]
+_mod_lock = threading.Lock()
 
 
 def write_checksum(data: Buffer) -> int:
@@ -175,14 +184,29 @@ def piece_bytes(kv: torch.Tensor, num_blocks: int, l0: int, l1: int) -> int:
     return layer_bytes(kv) * num_blocks * (l1 - l0)
 
 
+def check_range(kv: torch.Tensor, blocks: Sequence[int], l0: int, l1: int) -> None:
+    """A write's layers and blocks lie inside this pool (ValueError otherwise: the same
+    refusal on the C++ and the torch path, where torch would wrap a negative layer)."""
+    if not 0 <= l0 < l1 <= kv.shape[0]:
+        raise ValueError(f"KV write layers [{l0}, {l1}) outside the pool's {kv.shape[0]}")
+    if blocks and (min(blocks) < 0 or max(blocks) >= kv.shape[2]):
+        raise ValueError(f"KV write block id outside the pool's {kv.shape[2]} blocks")
+
+
+def _ext_for(kv: torch.Tensor):
+    """The C++ ops for a contiguous host pool, else None (the torch path)."""
+    return _ext() if kv.device.type == "cpu" and kv.is_contiguous() else None
+
+
 def pack(kv: torch.Tensor, blocks: list[int], l0: int, l1: int,
          out: memoryview | None = None) -> tuple[memoryview, list[int]]:
     """kv: [L, 2, NB, BS, Hkv, D] -> (bytes of [l1-l0, 2, n, BS, Hkv, D], shape), gathered
     in one copy into one contiguous buffer (plus the copy to host for a device pool). out:
     a writable buffer of exactly piece_bytes() to gather into (a shared-memory region)."""
     import torch
+    check_range(kv, blocks, l0, l1)
     shape = [l1 - l0, 2, len(blocks), *kv.shape[3:]]
-    ext = None if kv.is_cuda or not kv.is_contiguous() else _ext()
+    ext = _ext_for(kv)
     if ext is not None:         # row memcpys straight into the payload (kv_copy.cpp)
         if out is None:
             import numpy as np
@@ -204,13 +228,17 @@ def unpack_into(kv: torch.Tensor, blocks: list[int], l0: int, l1: int, payload: 
                 dtype: str, shape: list[int]) -> None:
     """Scatter a write produced by pack() into this pool's blocks (in place)."""
     import torch
+    check_range(kv, blocks, l0, l1)
     want = [l1 - l0, 2, len(blocks), *kv.shape[3:]]
     nbytes = piece_bytes(kv, len(blocks), l0, l1)
+    mv = memoryview(payload)
+    if not mv.c_contiguous:
+        raise ValueError("KV payload is not one contiguous buffer")
     if (list(shape) != want or dtype not in DTYPE_NAMES or getattr(torch, dtype) != kv.dtype
-            or len(payload) != nbytes):
-        raise ValueError(f"KV payload {dtype}{list(shape)} ({len(payload)} B) does not fit "
+            or mv.nbytes != nbytes):
+        raise ValueError(f"KV payload {dtype}{list(shape)} ({mv.nbytes} B) does not fit "
                          f"pool {str(kv.dtype).removeprefix('torch.')}{want}")
-    ext = None if kv.is_cuda or not kv.is_contiguous() else _ext()
+    ext = _ext_for(kv)
     if ext is not None:         # row memcpys from the payload (kv_copy.cpp)
         ext.kv_scatter(kv, blocks, l0, l1, payload)
         return
