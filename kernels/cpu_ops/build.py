@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ log = logging.getLogger("pdmesh.kernels")
 SOURCE = Path(__file__).with_name("ops.cpp")
 SOURCES = (SOURCE, Path(__file__).with_name("kv_copy.cpp"))
 _cache: dict[str, object] = {}
+_lock = threading.Lock()
 
 
 def _cpu_flags() -> str:
@@ -48,32 +50,37 @@ def enabled() -> bool:
 def load():
     """The compiled module (quant_rows, dequant_rows, paged_decode, slots_decode,
     kv_gather, kv_scatter, word_dot), or None
-    (off, or the build failed: logged once)."""
-    if "mod" in _cache:
-        return _cache["mod"]
-    mod = None
-    if enabled():
-        import sys
+    (off, or the build failed: logged once). Built or loaded once per process, whichever
+    thread asks first (the engine's step thread, the KV wire's checksum workers)."""
+    if "mod" not in _cache:
+        with _lock:
+            if "mod" not in _cache:
+                _cache["mod"] = _build() if enabled() else None
+    return _cache["mod"]
 
-        from torch.utils import cpp_extension
 
-        # ninja comes with the venv (requirements.txt): found on PATH by cpp_extension
-        bindir = str(Path(sys.executable).parent)
-        if bindir not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-        out = build_dir()
-        out.mkdir(parents=True, exist_ok=True)
-        t = time.perf_counter()
-        fresh = not any(out.glob("*.so"))
-        if fresh:
-            log.info("building the C++ CPU ops in %s (once)", out)
-        try:
-            mod = cpp_extension.load(name="pdmesh_cpu_ops", sources=[str(p) for p in SOURCES],
-                                     build_directory=str(out),
-                                     extra_cflags=["-O3", "-march=native"], verbose=False)
-            if fresh:
-                log.info("C++ CPU ops built in %.1fs", time.perf_counter() - t)
-        except Exception as e:  # noqa: BLE001 - no compiler / ninja: the torch path serves
-            log.warning("C++ CPU ops unavailable (%s); using the torch path", e)
-    _cache["mod"] = mod
+def _build():
+    import sys
+
+    from torch.utils import cpp_extension
+
+    # ninja comes with the venv (requirements.txt): found on PATH by cpp_extension
+    bindir = str(Path(sys.executable).parent)
+    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    out = build_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    fresh = not any(out.glob("*.so"))
+    if fresh:
+        log.info("building the C++ CPU ops in %s (once)", out)
+    try:
+        mod = cpp_extension.load(name="pdmesh_cpu_ops", sources=[str(p) for p in SOURCES],
+                                 build_directory=str(out),
+                                 extra_cflags=["-O3", "-march=native"], verbose=False)
+    except Exception as e:  # noqa: BLE001 - no compiler / ninja: the torch path serves
+        log.warning("C++ CPU ops unavailable (%s); using the torch path", e)
+        return None
+    if fresh:
+        log.info("C++ CPU ops built in %.1fs", time.perf_counter() - t)
     return mod

@@ -24,7 +24,6 @@ only by the functions that need it: kvstore uses the byte-level half without loa
 from __future__ import annotations
 
 import json
-import threading
 import warnings
 import zlib
 from collections.abc import Sequence
@@ -70,24 +69,22 @@ def _weights_for(words: int):
 
 
 def _ext():
-    """The C++ ops (kernels/cpu_ops: kv_gather, kv_scatter, word_dot), or None: built or
-    loaded once per process by the first KV write (prefill and decode load them anyway)."""
+    """The C++ ops (kernels/cpu_ops: kv_gather, kv_scatter, word_dot), or None. The engine
+    loads them when it makes its KV pool (model.kv_pool); a process without torch
+    (kvstore) checksums with numpy."""
     mod = _mod[0]
     if mod is False:
-        with _mod_lock:             # (a checksum may run in a worker thread)
-            if _mod[0] is False:
-                try:
-                    from kernels.cpu_ops.build import load
-                except ImportError:     # no torch here (kvstore): numpy's dot serves
-                    _mod[0] = None
-                else:
-                    _mod[0] = load()
-            mod = _mod[0]
+        try:
+            from kernels.cpu_ops.build import load
+        except ImportError:
+            mod = None
+        else:
+            mod = load()
+        _mod[0] = mod
     return mod
 
 
-_mod: list = [False]
-_mod_lock = threading.Lock()
+_mod: list = [False]       # tests set [None] to run the torch path
 
 
 def write_checksum(data: Buffer) -> int:
