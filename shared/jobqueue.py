@@ -199,6 +199,17 @@ class JobPuller:
         await self.sub.unsubscribe()
 
 
+async def keep_in_progress(msg, every_s: float) -> None:
+    """Tell JetStream a job is still being worked on, every every_s until cancelled, so
+    it is redelivered only if the worker dies."""
+    while True:
+        await asyncio.sleep(every_s)
+        try:
+            await msg.in_progress()
+        except Exception:  # noqa: BLE001 - the next one may get through
+            pass
+
+
 async def pull_subscription(js: JetStreamContext, ack_wait_s: float, max_deliver: int,
                             max_ack_pending: int) -> JobPuller:
     await ensure_stream(js)

@@ -1,11 +1,13 @@
 """Prefill's two messages to decode about an attempt besides its writes: the claim on
 the job's blocks (PrefillClaim, granted only while decode still wants the KV) and the
-PrefillDone that reports a computed prompt."""
+PrefillDone that reports a computed prompt (or why there is none); and the checks that
+refuse a job before any of them."""
 from __future__ import annotations
 
 import logging
 
 from shared import tracing
+from shared.contracts.common import ErrorCode, ErrorReply
 from shared.contracts.messages import PrefillDone, PrefillJob, PrefillStatus
 from shared.contracts.reclaim import PrefillClaim
 from shared.engine.output import RequestOutput
@@ -42,3 +44,24 @@ def ok_done(job: PrefillJob, iid: str, attempt: str, out: RequestOutput, compute
                        first_top_logprobs=lp[2], writes_issued=writes, bytes_sent=nbytes,
                        compute_s=compute_s, transfer_s=transfer_s, attempt=attempt,
                        cached_tokens=out.num_cached_tokens)
+
+
+def failed_done(job: PrefillJob, iid: str, code: ErrorCode, message: str,
+                attempt: str = "") -> PrefillDone:
+    return PrefillDone(request_id=job.request_id, status=PrefillStatus.FAILED,
+                       prefill_instance=iid, attempt=attempt,
+                       error=ErrorReply(code=code, message=message, request_id=job.request_id))
+
+
+def refuse_reason(engine, fingerprint: str, job: PrefillJob) -> tuple[ErrorCode, str] | None:
+    """Why this prefill worker cannot compute the job at all (None: it can)."""
+    if job.tokenizer_fingerprint != fingerprint:
+        return ErrorCode.TOKENIZER_MISMATCH, "job tokenizer fingerprint differs from prefill's"
+    if job.block_size != engine.cfg.block_size:
+        return ErrorCode.INVALID_REQUEST, (
+            f"block size {job.block_size} != prefill's {engine.cfg.block_size}")
+    try:
+        engine.check_request(job.prompt_ids, job.params)
+    except ValueError as e:
+        return ErrorCode.INVALID_REQUEST, str(e)
+    return None

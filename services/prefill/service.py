@@ -20,6 +20,7 @@ attempt. Test-only faults wrap the kvstore client, the transport and the sender
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import logging
 import time
@@ -30,13 +31,14 @@ import msgspec
 import nats.errors
 
 from shared import subjects, tracing
-from shared.contracts.common import Codec, ContractError, ErrorCode, ErrorReply
+from shared.contracts.common import Codec, ContractError, ErrorCode
+from shared.contracts.constraint import ConstraintKind
 from shared.contracts.messages import Heartbeat, PrefillDone, PrefillJob, PrefillStatus
 from shared.engine.engine import LLMEngine
 from shared.engine.output import RequestOutput
 from shared.engine_loop import run_engine_loop
 from shared.faults import require_allowed
-from shared.jobqueue import pull_subscription
+from shared.jobqueue import keep_in_progress, pull_subscription
 from shared.kv.nats_transport import NatsKvTransport
 from shared.kv.shm import host_id
 from shared.kv.shm_transport import ShmKvTransport
@@ -161,19 +163,23 @@ class PrefillService:
                 await asyncio.sleep(0.5)
                 continue
             self.active += 1
-            self.rt.spawn(self.run_job(msgs[0]))
+            # the next pull request waits until this job is in the engine (or waits on
+            # another service, or is over): a short prompt's compute starts first
+            begun = asyncio.get_running_loop().create_future()
+            job = self.rt.spawn(self.run_job(msgs[0], begun))
+            await asyncio.wait({begun, job}, return_when=asyncio.FIRST_COMPLETED)
 
-    async def run_job(self, msg) -> None:
+    async def run_job(self, msg, begun: asyncio.Future | None = None) -> None:
         try:
             with tracing.server("prefill", "job", getattr(msg, "headers", None), "CONSUMER"):
                 if tracing.ON:
                     tracing.interval("queue", _queued_ns(msg))   # in the work queue
-                await self._run_job(msg)
+                await self._run_job(msg, begun)
         finally:
             self.active -= 1
             self.slots.release()
 
-    async def _run_job(self, msg) -> None:
+    async def _run_job(self, msg, begun: asyncio.Future | None = None) -> None:
         try:
             job = JOB.decode(msg.data)
         except ContractError as e:
@@ -181,19 +187,18 @@ class PrefillService:
             log.warning("dropping malformed job: %s", e)
             await msg.term()
             return
-        problem = self.refuse_reason(job)
+        problem = claiming.refuse_reason(self.engine, self.fingerprint, job)
         if problem:
-            await self.finish(job, msg, PrefillDone(
-                request_id=job.request_id, status=PrefillStatus.FAILED, prefill_instance=self.iid,
-                error=ErrorReply(code=problem[0], message=problem[1], request_id=job.request_id)))
+            await self.finish(job, msg, claiming.failed_done(job, self.iid, *problem))
             return
         if _deliveries(msg) > 1:
             self.counters["jobs_redelivered"] += 1
         attempt = uuid.uuid4().hex[:16]
         entry = self.ledger.open(job.request_id, attempt, job.dest.instance_id)
-        keepalive = self.rt.spawn(self.keep_alive(msg))
+        keepalive = self.rt.spawn(keep_in_progress(msg, self.cfg.ack_wait_s / 3))
         try:
-            done = await self.attempt(job, attempt, redelivered=_deliveries(msg) > 1)
+            done = await self.attempt(job, attempt, redelivered=_deliveries(msg) > 1,
+                                      begun=begun)
         finally:
             keepalive.cancel()
             self.ledger.close(attempt, time.monotonic())
@@ -205,28 +210,32 @@ class PrefillService:
             done = msgspec.structs.replace(done, writes_issued=entry.issued)
         await self.finish(job, msg, done, delivered=delivered)
 
-    async def attempt(self, job: PrefillJob, attempt: str,
-                      redelivered: bool = False) -> PrefillDone | None:
+    async def attempt(self, job: PrefillJob, attempt: str, redelivered: bool = False,
+                      begun: asyncio.Future | None = None) -> PrefillDone | None:
         """Claim, compute, write. None when decode refused the claim or reclaimed it.
 
-        A job's first delivery claims while it computes: the claim's round trip is off
-        the critical path, no write starts before the grant (the ledger), and a refusal
-        that comes first stops the compute. A redelivered job (its first worker died: the
-        request may be gone) and a layer-streamed one (its writes start during the
-        compute) claim first, so a refused claim costs them no compute."""
+        A job's first delivery claims while it computes: the prompt goes into the engine
+        first and the claim's round trip is off the critical path, no write starts before
+        the grant (the ledger), and a refusal that comes first stops the compute. A
+        redelivered job (its first worker died: the request may be gone) and a
+        layer-streamed one (its writes start during the compute) claim first, so a
+        refused claim costs them no compute. `begun` is resolved once the prompt is in the
+        engine or the attempt waits on another service."""
         local_id = f"{job.request_id}/{attempt[:8]}"
         early = not redelivered and not self.sender.will_stream(job, self.engine)
-        claim = asyncio.ensure_future(claiming.claim(self.peers, self.ledger, self.iid, job,
-                                                     attempt, self.cfg.claim_timeout_s))
-        if not early and not await claim:
-            self.counters["jobs_refused"] += 1
-            return None
-        t0 = time.monotonic()
-        work = None
+        claim = None if early else self._claim(job, attempt)
+        if claim is not None:
+            _resolve(begun)
+            if not await claim:
+                self.counters["jobs_refused"] += 1
+                return None
+        t0, work = time.monotonic(), None
         try:
             self.sender.open(job, self.engine, local_id, attempt)   # layer-wise KV streaming
+            outside = contextvars.copy_context()        # the claim's span is not compute's
             with tracing.span("compute", prompt_tokens=len(job.prompt_ids)):
-                work = asyncio.ensure_future(self.compute(local_id, job))
+                work = asyncio.ensure_future(self.compute(local_id, job, begun))
+                claim = claim or self._claim(job, attempt, outside)   # after work's first step
                 await asyncio.wait({claim, work}, return_when=asyncio.FIRST_COMPLETED)
                 refused_first = claim.done() and not claim.result()
                 if not refused_first:
@@ -235,8 +244,6 @@ class PrefillService:
             if not await claim:
                 self.counters["jobs_refused"] += 1
                 return None
-            log.debug("%s: attempt %s claimed, computed in %.3fs", job.request_id, attempt,
-                      compute_s)
             if self.ledger.get(attempt).phase is Phase.CANCELLED:
                 raise Reclaimed(f"{job.request_id}: reclaimed before its last write")
             done = functools.partial(claiming.ok_done, job, self.iid, attempt, out, compute_s)
@@ -247,23 +254,27 @@ class PrefillService:
             return None
         except Exception as e:  # noqa: BLE001 - report, never crash the worker
             log.warning("%s: prefill failed: %r", job.request_id, e)
+            claim = claim or self._claim(job, attempt)
             granted = await claim    # (an early claim's answer first)
             self.ledger.stop(attempt)
             if not granted:          # decode wants nothing from an attempt it did not grant
                 return None
             await self.sender.wait_idle(attempt)
-            return PrefillDone(request_id=job.request_id, status=PrefillStatus.FAILED,
-                               prefill_instance=self.iid, attempt=attempt,
-                               error=ErrorReply(code=ErrorCode.PREFILL_FAILED, message=repr(e),
-                                                request_id=job.request_id))
+            return claiming.failed_done(job, self.iid, ErrorCode.PREFILL_FAILED, repr(e), attempt)
         finally:
-            claim.cancel()           # (answered by now, unless the attempt was cancelled)
+            if claim is not None:    # (answered by now, unless the attempt was cancelled)
+                claim.cancel()
             if work is not None and not work.done():     # refused while computing
                 work.cancel()
                 self.pending.pop(local_id, None)
                 self.engine.abort(local_id)
             self.sender.drop(local_id)
             self.engine.release(local_id)
+
+    def _claim(self, job: PrefillJob, attempt: str, context=None) -> asyncio.Task:
+        return asyncio.get_running_loop().create_task(
+            claiming.claim(self.peers, self.ledger, self.iid, job, attempt,
+                           self.cfg.claim_timeout_s), context=context)
 
     async def transfer(self, job: PrefillJob, attempt: str, local_id: str, tier: int,
                        done) -> PrefillDone:
@@ -283,21 +294,14 @@ class PrefillService:
             self.group.insert(self.engine, *self.engine.computed_prompt_blocks(local_id))
         return done(writes, nbytes, transfer_s)
 
-    def refuse_reason(self, job: PrefillJob) -> tuple[ErrorCode, str] | None:
-        if job.tokenizer_fingerprint != self.fingerprint:
-            return ErrorCode.TOKENIZER_MISMATCH, "job tokenizer fingerprint differs from prefill's"
-        if job.block_size != self.engine.cfg.block_size:
-            return ErrorCode.INVALID_REQUEST, (
-                f"block size {job.block_size} != prefill's {self.engine.cfg.block_size}")
-        try:
-            self.engine.check_request(job.prompt_ids, job.params)
-        except ValueError as e:
-            return ErrorCode.INVALID_REQUEST, str(e)
-        return None
-
-    async def compute(self, local_id: str, job: PrefillJob) -> tuple[RequestOutput, int]:
-        """The first token, and how many leading prompt blocks kvstore already holds."""
+    async def compute(self, local_id: str, job: PrefillJob,
+                      begun: asyncio.Future | None = None) -> tuple[RequestOutput, int]:
+        """The first token, and how many leading prompt blocks kvstore already holds.
+        begun: resolved once the prompt is in the engine (or before a kvstore lookup or a
+        grammar compile makes it wait)."""
         kvc = self.kvc if self.cfg.kvstore else None
+        if kvc is not None or job.constraint.kind is not ConstraintKind.NONE:
+            _resolve(begun)
         tier, loader = await layersplit.lookup(
             self.group, kvc, self.engine.prefix_keys(job.prompt_ids, job.cache_salt))
         await precompile(self.engine, job.constraint)   # off the loop, outside the lock
@@ -310,6 +314,7 @@ class PrefillService:
         if load is not None:
             self.rt.spawn(loader.load(self.engine, load))
         self.wake.set()
+        _resolve(begun)
         return await fut, tier
 
     async def finish(self, job: PrefillJob, msg, done: PrefillDone,
@@ -324,15 +329,6 @@ class PrefillService:
             except Exception as e:  # noqa: BLE001 - decode gone: it will never want this KV
                 log.warning("%s: PrefillDone not delivered: %r", job.request_id, e)
         await msg.ack()
-
-    async def keep_alive(self, msg) -> None:
-        """Tell JetStream the job is in progress so it is redelivered only if we die."""
-        while True:
-            await asyncio.sleep(self.cfg.ack_wait_s / 3)
-            try:
-                await msg.in_progress()
-            except Exception:  # noqa: BLE001
-                pass
 
     # ---- engine loop ------------------------------------------------------------------
     async def engine_loop(self) -> None:
@@ -351,6 +347,11 @@ class PrefillService:
                 fut.set_exception(RuntimeError(f"engine step failed: {e!r}"))
             self.engine.abort(rid)
         self.pending.clear()
+
+
+def _resolve(fut: asyncio.Future | None) -> None:
+    if fut is not None and not fut.done():
+        fut.set_result(None)
 
 
 def _queued_ns(msg) -> int | None:
