@@ -7,8 +7,10 @@ one by one (machine load drifts hit both alike), each a distinct prompt, streame
 output tokens. Configurations: `before` (the whole prompt's KV over NATS after the
 compute), `stream` (layer-wise streaming over NATS, `--kv-stream`), `shm` (the whole
 prompt's KV through shared memory), `stream+shm` (layer-wise into shared memory),
-`default` (the default settings: on one host, `shm`). Writes <out>/ttft_<model>.json
-and .png.
+`default` (the default settings: on one host, `shm`). Each configuration also times
+raw NATS round trips after the colocated TTFT's idle time (floor()): PD's two extra
+cross-process hops at their cheapest, the short ratio's floor on this host. Writes
+<out>/ttft_<model>.json and .png.
 
     python -m pdmesh.bench_ttft [--model models/tiny-target] [--short 20] [--long 8]
 """
@@ -24,7 +26,7 @@ from pathlib import Path
 from .bench import LONG_UNIT, PROMPTS
 from .bench_report import save
 from .loadgen import completion_body, stream_one
-from .rawnats import log
+from .rawnats import idle_round_trips, log
 
 CONFIGS = {
     "before": {"kv_stream": False, "kv_shm": False},
@@ -82,9 +84,21 @@ def run_config(args, name: str, kv: dict) -> dict:
         model = Path(args.model).name
         res = {"short": summarize(asyncio.run(measure(c.url, model, short))),
                "long": summarize(asyncio.run(measure(c.url, model, longs)))}
+        res["hop_floor"] = floor(c.nats_url, res["short"])
     log(f"{name}: short PD/colocated {res['short']['ratio_p50']:.3f} (p50), long "
-        f"{res['long']['ratio_p50']:.3f} ({res['long']['pd']['prompt_tokens']:.0f} tokens)")
+        f"{res['long']['ratio_p50']:.3f} ({res['long']['pd']['prompt_tokens']:.0f} tokens); "
+        f"two idle NATS hops {res['hop_floor']['rtt_p50_s'] * 1e3:.2f} ms: the short ratio's "
+        f"floor on this host is {res['hop_floor']['ratio_floor']:.3f}")
     return res
+
+
+def floor(nats_url: str, short: dict) -> dict:
+    """The two hops PD adds, measured on the mesh's nats-server after the colocated
+    TTFT's idle time: the short-prompt ratio PD could reach with no processing at all."""
+    col = short["colocated"]["ttft_p50_s"]
+    f = asyncio.run(idle_round_trips(nats_url, idle_s=col))
+    return f | {"ratio_floor": (col + f["rtt_p50_s"]) / col,
+                "pd_overhead_s": short["pd"]["ttft_p50_s"] - col}
 
 
 def plot(res: dict, out: Path) -> None:
@@ -101,6 +115,11 @@ def plot(res: dict, out: Path) -> None:
             if path == "pd":
                 ax.bar_label(bars, [f"{res['configs'][n][kind]['ratio_p50']:.2f}x"
                                     for n in names], fontsize=8)
+        if kind == "short":         # what PD's two extra hops alone cost (floor())
+            fl = [(res["configs"][n]["short"]["colocated"]["ttft_p50_s"]
+                   + res["configs"][n]["hop_floor"]["rtt_p50_s"]) * 1e3 for n in names]
+            ax.scatter([x - 0.2 for x in range(len(names))], fl, marker="_", s=900, color="k",
+                       label="colocated + 2 idle NATS hops", zorder=3)
         ax.set_xticks(range(len(names)), names)
         ax.set_ylabel("TTFT p50 (ms)")
         ax.set_title(f"{kind} prompts, c=1 (label: PD / colocated)")

@@ -140,6 +140,32 @@ async def raw_baseline(nats_url: str, sizes: list[int], windows: list[int], tota
     return out
 
 
+async def idle_round_trips(nats_url: str, idle_s: float, n: int = 40) -> dict:
+    """Round trips of a small request to a responder in its own process, each after
+    `idle_s` of silence (both sides idle, as decode and prefill are around a compute):
+    what two cross-process NATS hops cost on this host at best. A PD request has two more
+    such hops on its critical path than a colocated one (the job to prefill, its KV and
+    PrefillDone back to decode)."""
+    import statistics
+
+    import nats
+
+    nc = await nats.connect(nats_url)
+    rtts = []
+    try:
+        async with Responder(nats_url) as resp:
+            for i in range(n + 3):                       # 3 warm-ups
+                await asyncio.sleep(idle_s)
+                t0 = time.perf_counter()
+                await nc.request(resp.subject, b"x" * 256, timeout=10)
+                if i >= 3:
+                    rtts.append(time.perf_counter() - t0)
+    finally:
+        await nc.close()
+    return {"idle_s": idle_s, "n": len(rtts), "rtt_p50_s": statistics.median(rtts),
+            "rtt_s": rtts}
+
+
 def raw_for(raw: list[dict], size: int, window: int) -> dict | None:
     return next((r for r in raw if r["window"] == window
                  and r["payload_bytes"] == size), None)

@@ -46,10 +46,13 @@ def metrics(name: str, out: Path) -> dict[str, float]:
     if name == "ttft":
         s = d["configs"]["default"]["short"]
         gaps = [a - b for a, b in zip(s["pd"]["ttft_s"], s["colocated"]["ttft_s"])]
+        floor = d["configs"]["default"].get("hop_floor")    # (revisions that measure it)
         return {"ttft_short_pd_p50_ms": s["pd"]["ttft_p50_s"] * 1e3,
                 "ttft_short_colocated_p50_ms": s["colocated"]["ttft_p50_s"] * 1e3,
                 "ttft_short_pd_over_colocated": s["ratio_p50"],
-                "ttft_short_pd_minus_colocated_ms": statistics.median(gaps) * 1e3}
+                "ttft_short_pd_minus_colocated_ms": statistics.median(gaps) * 1e3} | (
+            {"ttft_two_idle_hops_ms": floor["rtt_p50_s"] * 1e3,
+             "ttft_short_ratio_floor": floor["ratio_floor"]} if floor else {})
     if name == "kv":
         return {f"kv_{k}": r["bytes_per_s"] / 1e6 for k, r in d["runs"].items()} | {
             f"kv_{k}_vs_raw": r["vs_raw"] for k, r in d["runs"].items()}
