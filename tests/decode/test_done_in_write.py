@@ -5,10 +5,13 @@ process (local_mesh.py), the real engine on the tiny model, outputs against the 
 alone (deterministic mode)."""
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
+import nats.errors
 import pytest
 
-from .local_mesh import MAX_TOKENS, LocalMesh, until
+from .local_mesh import MAX_TOKENS, JobMsg, LocalMesh, until
 from .test_handlers import prompt
 
 
@@ -103,5 +106,58 @@ async def test_a_first_delivery_computes_while_its_claim_is_answered(
         mesh.claim_gate = after_compute
         await serve_one(mesh, prompt(tiny_prompts, 4), reference, delivered)
         assert (seen[0] > 0) == (delivered == 1)
+    finally:
+        await mesh.close()
+
+
+async def test_a_first_delivery_is_in_the_engine_before_its_claim_leaves(
+        tiny_target, tiny_prompts, reference):
+    """The claim's round trip is off a short prompt's critical path only if the forward
+    has its prompt when the claim goes: decode hears of the attempt after prefill's
+    engine holds the prompt."""
+    mesh = LocalMesh(tiny_target)
+    await mesh.start()
+    held = []
+
+    async def look():
+        held.append(any(r.startswith("a/") for r in mesh.prefill.engine.requests))
+
+    try:
+        mesh.claim_gate = look
+        await serve_one(mesh, prompt(tiny_prompts, 5), reference)
+        assert held == [True]
+    finally:
+        await mesh.close()
+
+
+class Puller:
+    """The work queue as prefill's fetch loop sees it: the given jobs, then none; what
+    prefill's engine held at each pull request."""
+
+    def __init__(self, engine, msgs: list[JobMsg]):
+        self.engine, self.msgs, self.held = engine, msgs, []
+
+    async def fetch(self, batch: int = 1, timeout: float = 1.0):
+        self.held.append(sorted(self.engine.requests))
+        if self.msgs:
+            return [self.msgs.pop(0)]
+        await asyncio.sleep(timeout)
+        raise nats.errors.TimeoutError
+
+
+async def test_the_next_pull_request_waits_for_the_job_to_reach_the_engine(
+        tiny_target, tiny_prompts, reference):
+    """The fetch loop takes a job, and asks the queue for the next one only once the
+    job's prompt is in the engine: the pull request's publish is not on the job's
+    critical path."""
+    mesh = LocalMesh(tiny_target)
+    await mesh.start()
+    p = prompt(tiny_prompts, 6)
+    try:
+        await mesh.submit("a", p, max_tokens=MAX_TOKENS, ignore_eos=True)
+        puller = mesh.prefill.psub = Puller(mesh.prefill.engine, [JobMsg(mesh.jobs.pop(0))])
+        mesh.tasks.append(asyncio.ensure_future(mesh.prefill.fetch_loop()))
+        assert await mesh.tokens("a") == reference(p)
+        assert puller.held[0] == [] and any(r.startswith("a/") for r in puller.held[1])
     finally:
         await mesh.close()
