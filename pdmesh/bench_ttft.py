@@ -123,7 +123,7 @@ def plot(res: dict, out: Path) -> None:
         ax.set_xticks(range(len(names)), names)
         ax.set_ylabel("TTFT p50 (ms)")
         ax.set_title(f"{kind} prompts, c=1 (label: PD / colocated)")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, loc="lower right", framealpha=0.9)
     fig.suptitle(f"PD vs colocated TTFT: {res['model']} ({res['dtype']}, 1 thread each)")
     fig.tight_layout()
     fig.savefig(out)
