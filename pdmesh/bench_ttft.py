@@ -115,11 +115,12 @@ def plot(res: dict, out: Path) -> None:
             if path == "pd":
                 ax.bar_label(bars, [f"{res['configs'][n][kind]['ratio_p50']:.2f}x"
                                     for n in names], fontsize=8)
-        if kind == "short":         # what PD's two extra hops alone cost (floor())
-            fl = [(res["configs"][n]["short"]["colocated"]["ttft_p50_s"]
-                   + res["configs"][n]["hop_floor"]["rtt_p50_s"]) * 1e3 for n in names]
-            ax.scatter([x - 0.2 for x in range(len(names))], fl, marker="_", s=900, color="k",
-                       label="colocated + 2 idle NATS hops", zorder=3)
+        fl = [(x, res["configs"][n]["short"]["colocated"]["ttft_p50_s"]
+               + res["configs"][n]["hop_floor"]["rtt_p50_s"]) for x, n in enumerate(names)
+              if "hop_floor" in res["configs"][n]]   # (older results lack it)
+        if kind == "short" and fl:  # what PD's two extra hops alone cost (floor())
+            ax.scatter([x - 0.2 for x, _ in fl], [y * 1e3 for _, y in fl], marker="_", s=900,
+                       color="k", label="colocated + 2 idle NATS hops", zorder=3)
         ax.set_xticks(range(len(names)), names)
         ax.set_ylabel("TTFT p50 (ms)")
         ax.set_title(f"{kind} prompts, c=1 (label: PD / colocated)")

@@ -185,10 +185,12 @@ class PrefillService:
         except ContractError as e:
             self.counters["bad_jobs"] += 1
             log.warning("dropping malformed job: %s", e)
+            _resolve(begun)
             await msg.term()
             return
         problem = claiming.refuse_reason(self.engine, self.fingerprint, job)
         if problem:
+            _resolve(begun)
             await self.finish(job, msg, claiming.failed_done(job, self.iid, *problem))
             return
         if _deliveries(msg) > 1:
@@ -223,12 +225,10 @@ class PrefillService:
         engine or the attempt waits on another service."""
         local_id = f"{job.request_id}/{attempt[:8]}"
         early = not redelivered and not self.sender.will_stream(job, self.engine)
-        claim = None if early else self._claim(job, attempt)
-        if claim is not None:
-            _resolve(begun)
-            if not await claim:
-                self.counters["jobs_refused"] += 1
-                return None
+        claim = None if early else self._claim(job, attempt, begun=begun)
+        if claim is not None and not await claim:
+            self.counters["jobs_refused"] += 1
+            return None
         t0, work = time.monotonic(), None
         try:
             self.sender.open(job, self.engine, local_id, attempt)   # layer-wise KV streaming
@@ -254,8 +254,8 @@ class PrefillService:
             return None
         except Exception as e:  # noqa: BLE001 - report, never crash the worker
             log.warning("%s: prefill failed: %r", job.request_id, e)
-            claim = claim or self._claim(job, attempt)
-            granted = await claim    # (an early claim's answer first)
+            _resolve(begun)          # the attempt waits on decode's answer now
+            granted = await (claim or self._claim(job, attempt))   # (an early claim's first)
             self.ledger.stop(attempt)
             if not granted:          # decode wants nothing from an attempt it did not grant
                 return None
@@ -271,7 +271,11 @@ class PrefillService:
             self.sender.drop(local_id)
             self.engine.release(local_id)
 
-    def _claim(self, job: PrefillJob, attempt: str, context=None) -> asyncio.Task:
+    def _claim(self, job: PrefillJob, attempt: str, context=None,
+               begun: asyncio.Future | None = None) -> asyncio.Task:
+        """Send the attempt's claim (in `context`: the job's span); `begun` is resolved,
+        as the attempt now waits on decode."""
+        _resolve(begun)
         return asyncio.get_running_loop().create_task(
             claiming.claim(self.peers, self.ledger, self.iid, job, attempt,
                            self.cfg.claim_timeout_s), context=context)

@@ -150,7 +150,7 @@ async def test_the_next_pull_request_waits_for_the_job_to_reach_the_engine(
     """The fetch loop takes a job, and asks the queue for the next one only once the
     job's prompt is in the engine: the pull request's publish is not on the job's
     critical path."""
-    mesh = LocalMesh(tiny_target)
+    mesh = LocalMesh(tiny_target, prefill={"max_jobs": 2})    # a slot for the next pull
     await mesh.start()
     p = prompt(tiny_prompts, 6)
     try:
@@ -159,5 +159,29 @@ async def test_the_next_pull_request_waits_for_the_job_to_reach_the_engine(
         mesh.tasks.append(asyncio.ensure_future(mesh.prefill.fetch_loop()))
         assert await mesh.tokens("a") == reference(p)
         assert puller.held[0] == [] and any(r.startswith("a/") for r in puller.held[1])
+    finally:
+        await mesh.close()
+
+
+async def test_a_refused_job_does_not_hold_up_the_next_pull(tiny_target, tiny_prompts):
+    """A job prefill refuses (another tokenizer) is reported to decode; while decode is
+    slow to take that report, the fetch loop already pulls the next job."""
+    mesh = LocalMesh(tiny_target, prefill={"max_jobs": 2})
+    await mesh.start()
+    slow = asyncio.Event()
+
+    async def slow_report(decode, done, timeout):
+        await slow.wait()
+
+    try:
+        await mesh.submit("a", prompt(tiny_prompts, 7), max_tokens=MAX_TOKENS)
+        job = msgspec.structs.replace(mesh.jobs.pop(0), tokenizer_fingerprint="another")
+        mesh.prefill_done = slow_report
+        puller = mesh.prefill.psub = Puller(mesh.prefill.engine, [JobMsg(job)])
+        mesh.tasks.append(asyncio.ensure_future(mesh.prefill.fetch_loop()))
+        await until(lambda: len(puller.held) >= 2)
+        assert mesh.prefill.active == 1              # the refusal is still being reported
+        slow.set()
+        await until(lambda: mesh.prefill.stats()["jobs_failed"] == 1)
     finally:
         await mesh.close()
