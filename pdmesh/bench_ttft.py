@@ -97,8 +97,7 @@ def floor(nats_url: str, short: dict) -> dict:
     TTFT's idle time: the short-prompt ratio PD could reach with no processing at all."""
     col = short["colocated"]["ttft_p50_s"]
     f = asyncio.run(idle_round_trips(nats_url, idle_s=col))
-    return f | {"ratio_floor": (col + f["rtt_p50_s"]) / col,
-                "pd_overhead_s": short["pd"]["ttft_p50_s"] - col}
+    return f | {"ratio_floor": (col + f["rtt_p50_s"]) / col}
 
 
 def plot(res: dict, out: Path) -> None:
@@ -106,21 +105,21 @@ def plot(res: dict, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    names = list(res["configs"])
+    floors = [(x, c["short"]["colocated"]["ttft_p50_s"] + c["hop_floor"]["rtt_p50_s"])
+              for x, c in enumerate(res["configs"].values())
+              if "hop_floor" in c]                    # (older results lack it)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, kind in zip(axes, ("short", "long")):
-        names = list(res["configs"])
         for j, path in enumerate(("pd", "colocated")):
             ys = [res["configs"][n][kind][path]["ttft_p50_s"] * 1e3 for n in names]
             bars = ax.bar([x + 0.4 * j - 0.2 for x in range(len(names))], ys, 0.4, label=path)
             if path == "pd":
                 ax.bar_label(bars, [f"{res['configs'][n][kind]['ratio_p50']:.2f}x"
                                     for n in names], fontsize=8)
-        fl = [(x, res["configs"][n]["short"]["colocated"]["ttft_p50_s"]
-               + res["configs"][n]["hop_floor"]["rtt_p50_s"]) for x, n in enumerate(names)
-              if "hop_floor" in res["configs"][n]]   # (older results lack it)
-        if kind == "short" and fl:  # what PD's two extra hops alone cost (floor())
-            ax.scatter([x - 0.2 for x, _ in fl], [y * 1e3 for _, y in fl], marker="_", s=900,
-                       color="k", label="colocated + 2 idle NATS hops", zorder=3)
+        if kind == "short" and floors:  # what PD's two extra hops alone cost (floor())
+            ax.scatter([x - 0.2 for x, _ in floors], [y * 1e3 for _, y in floors], marker="_",
+                       s=900, color="k", label="colocated + 2 idle NATS hops", zorder=3)
         ax.set_xticks(range(len(names)), names)
         ax.set_ylabel("TTFT p50 (ms)")
         ax.set_title(f"{kind} prompts, c=1 (label: PD / colocated)")

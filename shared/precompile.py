@@ -33,9 +33,15 @@ def _compile(engine, constraint) -> None:
     compiler.compile(constraint)
 
 
+def compiles(engine, constraint) -> bool:
+    """Whether precompile() has work to do (it waits on a compile thread), or returns at
+    once."""
+    return not (constraint is None or ConstraintKind(constraint.kind) is ConstraintKind.NONE
+                or engine.tokenizer is None)
+
+
 async def precompile(engine, constraint, timeout_s: float = TIMEOUT_S) -> None:
-    if (constraint is None or ConstraintKind(constraint.kind) is ConstraintKind.NONE
-            or engine.tokenizer is None):
+    if not compiles(engine, constraint):
         return
     fut = asyncio.get_running_loop().run_in_executor(_pool, _compile, engine, constraint)
     try:

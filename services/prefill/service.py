@@ -32,7 +32,6 @@ import nats.errors
 
 from shared import subjects, tracing
 from shared.contracts.common import Codec, ContractError, ErrorCode
-from shared.contracts.constraint import ConstraintKind
 from shared.contracts.messages import Heartbeat, PrefillDone, PrefillJob, PrefillStatus
 from shared.engine.engine import LLMEngine
 from shared.engine.output import RequestOutput
@@ -43,7 +42,7 @@ from shared.kv.nats_transport import NatsKvTransport
 from shared.kv.shm import host_id
 from shared.kv.shm_transport import ShmKvTransport
 from shared.kv.writeback import WriteBack
-from shared.precompile import precompile
+from shared.precompile import compiles, precompile
 from shared.service import ServiceRuntime, new_instance_id
 
 from . import claiming, inject, layersplit
@@ -166,8 +165,8 @@ class PrefillService:
             # the next pull request waits until this job is in the engine (or waits on
             # another service, or is over): a short prompt's compute starts first
             begun = asyncio.get_running_loop().create_future()
-            job = self.rt.spawn(self.run_job(msgs[0], begun))
-            await asyncio.wait({begun, job}, return_when=asyncio.FIRST_COMPLETED)
+            task = self.rt.spawn(self.run_job(msgs[0], begun))
+            await asyncio.wait({begun, task}, return_when=asyncio.FIRST_COMPLETED)
 
     async def run_job(self, msg, begun: asyncio.Future | None = None) -> None:
         try:
@@ -304,7 +303,7 @@ class PrefillService:
         begun: resolved once the prompt is in the engine (or before a kvstore lookup or a
         grammar compile makes it wait)."""
         kvc = self.kvc if self.cfg.kvstore else None
-        if kvc is not None or job.constraint.kind is not ConstraintKind.NONE:
+        if kvc is not None or compiles(self.engine, job.constraint):
             _resolve(begun)
         tier, loader = await layersplit.lookup(
             self.group, kvc, self.engine.prefix_keys(job.prompt_ids, job.cache_salt))
