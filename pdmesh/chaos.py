@@ -59,6 +59,9 @@ class ChaosConfig:
     num_blocks: int = 48             # decode's KV pool
     write_delay_s: float = 0.1       # prefill: each KV write waits random 0..this once issued
     kv_max_write_bytes: int = 16384  # prefill: two layers of one block per write (tiny model)
+    kv_stream: bool = True           # layer-wise writes; False: the default whole-prompt path
+    #                                  (a first delivery's claim goes out during its compute;
+    #                                  a prompt's KV in one write carries its PrefillDone)
     kv_window: int = 2
     reclaim_ack: bool = True
     epoch_fence: bool = True

@@ -28,9 +28,10 @@ def cluster(cfg: ChaosConfig):
                        "reclaim_lease_s": cfg.lease_s, "reclaim_timeout_s": 0.5,
                        "fault_no_reclaim_ack": not cfg.reclaim_ack,
                        "fault_no_epoch_fence": not cfg.epoch_fence}
-    # layer-wise streaming on: the path with the most writes in flight when aborts land
+    # layer-wise streaming on by default: the path with the most writes in flight when
+    # aborts land; off, the default whole-prompt path (through shared memory, one host)
     prefill = SHAPES | {"ack_wait_s": 3.0, "max_num_seqs": 8, "kv_window": cfg.kv_window,
-                        "kv_stream": True, "kv_stream_shm": True,
+                        "kv_stream": cfg.kv_stream, "kv_stream_shm": cfg.kv_stream,
                         "kv_max_write_bytes": cfg.kv_max_write_bytes,
                         "fault_kv_write_delay_s": cfg.write_delay_s}
     return Cluster(cfg.model, prefill=cfg.prefill, decode=1, kvstore=False, **DET,

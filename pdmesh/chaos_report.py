@@ -95,7 +95,10 @@ def result(cfg: dict, tally: Tally, st: dict, problems: list[str], timeline: lis
         "prefill_jobs_redelivered": pt.get("jobs_redelivered", 0),
         "blocks_leaked": dt.get("blocks_used", 0) + dt.get("blocks_quarantined", 0),
         "blocks_quarantined_after": dt.get("blocks_quarantined", 0),
-        "requests_left": dt.get("requests", 0) + dt.get("requests_live", 0),
+        # requests decode still holds, and sequences a prefill engine still schedules
+        "requests_left": dt.get("requests", 0) + dt.get("requests_live", 0)
+        + pt.get("running", 0) + pt.get("waiting", 0),
+        "prefill_sequences_left": pt.get("running", 0) + pt.get("waiting", 0),
         "reclaim_latency_ms": d[0].get("reclaim_latency_ms", {}) if d else {},
         "reclaim_latency_buckets": d[0].get("reclaim_latency_buckets", {}) if d else {},
         "unhealthy": problems,

@@ -49,6 +49,12 @@ def args() -> argparse.Namespace:
     ap.add_argument("--write-delay", type=float, default=None, metavar="S",
                     help="max random delay of each KV write once issued")
     ap.add_argument("--kv-window", type=int, default=None)
+    ap.add_argument("--no-kv-stream", action="store_true",
+                    help="prefill's default whole-prompt writes instead of layer-wise ones")
+    ap.add_argument("--kv-max-write-bytes", type=int, default=None, metavar="B",
+                    help="prefill's largest KV write (default 16384: two layers of one block; "
+                         "8388608: a chaos prompt's whole KV in one write, which carries its "
+                         "PrefillDone)")
     ap.add_argument("--lease", type=float, default=None, metavar="S")
     ap.add_argument("--hazard", action="store_true",
                     help="start from the negative controls' settings (pdmesh.chaos.HAZARD)")
@@ -81,10 +87,13 @@ def config(a: argparse.Namespace) -> ChaosConfig:
     given = dict(requests=a.requests, min_completed=a.completed or None,
                  abort_rate=a.abort_rate, storms=a.storms, storm_size=a.storm_size,
                  prefill=a.prefill, num_blocks=a.num_blocks, write_delay_s=a.write_delay,
-                 kv_window=a.kv_window, lease_s=a.lease)
+                 kv_window=a.kv_window, lease_s=a.lease,
+                 kv_max_write_bytes=a.kv_max_write_bytes)
     cfg = replace(base, **{k: v for k, v in given.items() if v is not None})
     if a.storms is None and not a.hazard:
         cfg = replace(cfg, storms=max(3, cfg.requests // 1000))
+    if a.no_kv_stream:
+        cfg = replace(cfg, kv_stream=False)
     return replace(cfg, kill_prefill=False) if a.no_kill else cfg
 
 

@@ -15,14 +15,13 @@ joins it to the batch with its first token, or requeue() has it compute its own 
 detach_blocks() hands a held sequence's blocks to the caller, who frees them later
 (free_blocks) — the engine knows nothing about who may still write them.
 
-Prefix cache (L1) and lower-tier loads: prefix_cache.py. Speculative decoding
-(cfg.draft_model): decode steps carry k draft tokens that one target forward verifies;
-the draft's KV shares the pool's block ids (spec/runner.py).
+Prefix cache (L1) and lower-tier loads: prefix_cache.py. Speculative decoding: decode steps
+carry k draft tokens that one target forward verifies (spec/runner.py).
 
 Threading: step() may run in a worker thread while the service's event loop adds,
 aborts and applies KV writes. Bookkeeping happens under `lock`; the forward pass runs
 without it. An abort that arrives during a forward is applied right after it, so a
-freed block can never be written by a forward that is still running.
+freed block can never be written by a forward that is still running (release() too).
 """
 from __future__ import annotations
 
@@ -91,10 +90,11 @@ class LLMEngine:
         self.lock = threading.RLock()
         self._inflight: set[str] = set()
         self._deferred_aborts: set[str] = set()
+        self._deferred_releases: set[str] = set()     # release() during their forward
         self._grammar = None
-        self.counters = {"prefix_hit_tokens": 0, "prompt_tokens": 0, "loads": 0,
-                         "load_failures": 0, "loaded_blocks": 0,
-                         "spec_steps": 0, "spec_proposed": 0, "spec_accepted": 0}
+        self.counters = dict.fromkeys(("prefix_hit_tokens", "prompt_tokens", "loads",
+                                       "load_failures", "loaded_blocks", "spec_steps",
+                                       "spec_proposed", "spec_accepted"), 0)
         fp = self.tokenizer.fingerprint if self.tokenizer is not None else ""
         self.cache_salt = prefix_salt(str(mc), fp, cfg.dtype + cfg.quantize + "a8" * cfg.act_int8
                                       + "sq" * smoothing_applies(cfg),
@@ -143,7 +143,7 @@ class LLMEngine:
     def _new_seq(self, request_id, prompt_ids, params, constraint=None, replay: int = 0
                  ) -> Sequence:
         """replay: the last `replay` prompt tokens are output already generated under the
-        constraint elsewhere (a migrated request): the grammar catches up with them."""
+        constraint elsewhere (a migrated request): the grammar catches up (or ValueError)."""
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.check_request(prompt_ids, params)
@@ -153,13 +153,8 @@ class LLMEngine:
         if constraint is not None and constraint.kind.value != "none":
             if self.tokenizer is None:
                 raise ValueError("constrained decoding needs a tokenizer")
-            state = self.grammar.new_state(constraint)   # ConstraintError is a ValueError
-            if replay:
-                from .grammar import ReplayError
-                try:
-                    state.replay(prompt_ids[len(prompt_ids) - replay:])
-                except ReplayError as e:
-                    raise ValueError(f"the output to resume from breaks the constraint: {e}")
+            state = self.grammar.new_state(constraint, prompt_ids[len(prompt_ids) - replay:]
+                                           if replay else ())
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(request_id, list(prompt_ids), params, seed, next(self._arrival))
         detok = None
@@ -283,12 +278,14 @@ class LLMEngine:
         return list(self.requests[request_id].seq.block_table)
 
     def release(self, request_id: str) -> None:
-        """Free the blocks a finished prefill-only request kept."""
+        """Free the blocks a finished prefill-only request kept; one still in the engine
+        leaves it (as abort()), after the running forward if it is in that one."""
         with self.lock:
+            if request_id in self._inflight:
+                return self._deferred_releases.add(request_id)
             req = self.requests.pop(request_id, None)
-            if req is not None and req.seq.block_table:
-                self.pool.free(req.seq.block_table)
-                req.seq.block_table = []
+            if req is not None:      # (a sequence left without its request: stepped forever)
+                self.scheduler.finish(req.seq, req.seq.finish_reason or FinishReason.ABORT)
 
     @property
     def has_unfinished(self) -> bool:
@@ -325,8 +322,11 @@ class LLMEngine:
                 req = self.requests.get(rid)
                 if req is not None:
                     self._finish_abort(req.seq)
-            aborted, self._deferred_aborts = self._deferred_aborts, set()
-            return [o for o in outs if o.request_id not in aborted]
+            released, self._deferred_releases = self._deferred_releases, set()
+            gone, self._deferred_aborts = self._deferred_aborts | released, set()
+            for rid in released:
+                self.release(rid)
+            return [o for o in outs if o.request_id not in gone]
 
     def postprocess(self, batch, sampled, logits) -> list[RequestOutput]:
         for s in batch:

@@ -19,6 +19,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xgrammar as xgr
@@ -27,7 +28,7 @@ from shared.contracts.constraint import Constraint, ConstraintKind
 from shared.engine.tokenizer import Tokenizer
 
 from .build import TOOL_CALL_END, TOOL_CALL_START, ConstraintError, build_grammar, xgrammar_message
-from .state import ConstraintState
+from .state import ConstraintState, ReplayError
 
 TEXT_TAGS = frozenset({TOOL_CALL_START, TOOL_CALL_END})
 
@@ -103,9 +104,18 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return entry
 
-    def new_state(self, constraint: Constraint) -> ConstraintState | None:
+    def new_state(self, constraint: Constraint, replay: Sequence[int] = ()
+                  ) -> ConstraintState | None:
+        """A matcher at the start of the constraint, or past `replay` (output generated
+        under it elsewhere: a migrated request); ValueError when replay breaks it."""
         compiled = self.compile(constraint)
-        return compiled.new_state() if compiled is not None else None
+        state = compiled.new_state() if compiled is not None else None
+        if state is not None and replay:
+            try:
+                state.replay(list(replay))
+            except ReplayError as e:
+                raise ValueError(f"the output to resume from breaks the constraint: {e}") from e
+        return state
 
     def stats(self) -> CacheStats:
         with self._lock:
