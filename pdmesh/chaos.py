@@ -35,8 +35,8 @@ from .bench import PROMPTS as BENCH_PROMPTS
 from .chaos_mesh import DET, SHAPES, cluster, healthy, quiesce, wait_writing
 from .chaos_report import Tally, headline, partial, point, result
 
-__all__ = ["GUARDS", "HAZARD", "ChaosConfig", "Tally", "arun", "hazard", "headline", "run",
-           "with_guards"]
+__all__ = ["GUARDS", "HAZARD", "ONE_WRITE", "ChaosConfig", "Tally", "arun", "hazard", "headline",
+           "run", "with_guards"]
 
 PROMPTS = [*BENCH_PROMPTS, "The capital of France is"]     # pdmesh bench's, and one
 # name -> (reclaim_ack, epoch_fence)
@@ -87,6 +87,12 @@ class ChaosConfig:
 # killed and the lease is long, so with the ack on every reclaim is acked (none by lease).
 HAZARD = dict(requests=400, prefill=1, kill_prefill=False, storms=2, storm_size=16,
               abort_rate=0.5, write_delay_s=0.4, lease_s=10.0, sample_s=2.0, log_every=100)
+
+
+# The default whole-prompt KV path (tests/e2e/test_chaos*.py, scripts/chaos.py --no-kv-stream):
+# no layer-wise writes, a prompt's KV in one write (which carries its PrefillDone), the claim
+# sent while the prompt computes.
+ONE_WRITE = dict(kv_stream=False, kv_max_write_bytes=8 << 20)
 
 
 def hazard(model: str, guards: str, **kw) -> ChaosConfig:

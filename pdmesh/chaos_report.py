@@ -77,6 +77,7 @@ def result(cfg: dict, tally: Tally, st: dict, problems: list[str], timeline: lis
            events: list[dict], load_s: float, wall_s: float) -> dict:
     d, p = st["decode"], st["prefill"]
     dt, pt = micro.sum_stats(d), micro.sum_stats(p)
+    prefill_left = pt.get("running", 0) + pt.get("waiting", 0)
     requests = tally.sent + tally.storm_requests
     return {
         "config": cfg, "guards": guards_of(cfg),
@@ -96,9 +97,8 @@ def result(cfg: dict, tally: Tally, st: dict, problems: list[str], timeline: lis
         "blocks_leaked": dt.get("blocks_used", 0) + dt.get("blocks_quarantined", 0),
         "blocks_quarantined_after": dt.get("blocks_quarantined", 0),
         # requests decode still holds, and sequences a prefill engine still schedules
-        "requests_left": dt.get("requests", 0) + dt.get("requests_live", 0)
-        + pt.get("running", 0) + pt.get("waiting", 0),
-        "prefill_sequences_left": pt.get("running", 0) + pt.get("waiting", 0),
+        "requests_left": dt.get("requests", 0) + dt.get("requests_live", 0) + prefill_left,
+        "prefill_sequences_left": prefill_left,
         "reclaim_latency_ms": d[0].get("reclaim_latency_ms", {}) if d else {},
         "reclaim_latency_buckets": d[0].get("reclaim_latency_buckets", {}) if d else {},
         "unhealthy": problems,

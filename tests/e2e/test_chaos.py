@@ -14,7 +14,7 @@ import time
 import aiohttp
 import nats
 
-from pdmesh.chaos import ChaosConfig, headline, run
+from pdmesh.chaos import ONE_WRITE, ChaosConfig, headline, run
 from pdmesh.cluster import Cluster
 from shared import micro
 from shared.contracts.sampling import SamplingParams
@@ -34,7 +34,7 @@ def test_chaos_on_the_whole_prompt_path_one_write_per_prompt(tiny_target):
     while its prompt computes, and the prompt's KV goes in one write that carries its
     PrefillDone. The same chaos never corrupts or leaks there either."""
     res = run(ChaosConfig(model=str(tiny_target), requests=600, storms=2, storm_size=24,
-                          kv_stream=False, kv_max_write_bytes=8 << 20))
+                          **ONE_WRITE))
     _sound_and_chaotic(res)
     assert 0 < res["prefill_kv_writes"] <= res["claims_granted"]    # one write an attempt
 

@@ -17,11 +17,7 @@ test_chaos.py runs both guards at 1,000 requests; scripts/chaos.py --guards all 
 four configurations side by side at any size."""
 from __future__ import annotations
 
-from pdmesh.chaos import hazard, headline, run
-
-# the default whole-prompt KV path: no layer-wise writes, a prompt's KV in one write (which
-# carries its PrefillDone), the claim sent while the prompt computes
-ONE_WRITE = dict(kv_stream=False, kv_max_write_bytes=8 << 20)
+from pdmesh.chaos import ONE_WRITE, hazard, headline, run
 
 
 def _run(tiny_target, guards: str, **kw) -> dict:

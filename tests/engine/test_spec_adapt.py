@@ -118,7 +118,7 @@ def test_a_probe_is_not_charged_for_the_draft_catching_up(tiny_target, tiny_draf
     eng.generate([tiny_prompts[0]], SamplingParams(temperature=0.0, max_tokens=20,
                                                    ignore_eos=True))
     first_draft_step = next(s for k, s in charged if k)   # it caught up on 12 positions
-    assert first_draft_step < 0.1, charged
+    assert first_draft_step < 0.3, charged               # the catch-up (0.3 s) not charged
 
 
 def test_over_max_batch_steps_decode_plainly_and_count_nowhere():
