@@ -71,7 +71,9 @@ async def _pair(nats_url, **kw):  # noqa: F811
     await rt_dec.start()
     await rt_pre.start()
     rx = NatsKvTransport(rt_dec)
-    tx = await ShmKvTransport.create(NatsKvTransport(rt_pre, timeout_s=2.0), **kw)
+    # generous: a busy CI machine once took over 2 s to answer (the unanswered write below
+    # is refused at once by the server: no responders)
+    tx = await ShmKvTransport.create(NatsKvTransport(rt_pre, timeout_s=30.0), **kw)
     tx.hosts["d0"] = tx.host                          # as d0's heartbeat would say
     dec = Decode()
     await rx.listen("d0", dec.on_write)

@@ -254,7 +254,7 @@ async def test_nats_transport_roundtrip(nats_url):  # noqa: F811 - the fixture
     await rt_dec.start()
     await rt_pre.start()
     try:
-        rx, tx = NatsKvTransport(rt_dec), NatsKvTransport(rt_pre, timeout_s=5.0)
+        rx, tx = NatsKvTransport(rt_dec), NatsKvTransport(rt_pre, timeout_s=30.0)
         dec = Decode()
         dec.refuse_seq = 9
         await rx.listen("d0", dec.on_write)

@@ -85,7 +85,7 @@ def test_garbage_on_every_service_subject_is_survived(mesh):
                     pass  # fire-and-forget subjects have no reply
         await asyncio.sleep(0.5)
         for service, iid in instances.items():
-            r = await nc.request(subjects.health(service, iid), b"", timeout=2)
+            r = await nc.request(subjects.health(service, iid), b"", timeout=10)
             assert json.loads(r.data)["ok"], service
         await nc.close()
         async with aiohttp.ClientSession() as http:

@@ -112,7 +112,7 @@ async def test_metrics_exposition(client):
 
 async def test_registered_with_nats_micro(client):
     nc = gw(client).runtime.nc
-    reply = await nc.request("$SRV.INFO.gateway", b"", timeout=2)
+    reply = await nc.request("$SRV.INFO.gateway", b"", timeout=10)
     assert json.loads(reply.data)["metadata"]["instance_id"] == gw(client).cfg.instance_id
 
 
