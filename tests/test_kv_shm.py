@@ -95,7 +95,13 @@ async def test_same_host_write_carries_a_handle_and_lands(nats_url):  # noqa: F8
     rt_dec, rt_pre, rx, tx, dec, spy = await _pair(nats_url, size_bytes=1 << 20)
     try:
         src = pool()
-        ack = await tx.send("d0", *_shm_write(tx, src, [3, 7], [0, 5]))
+        try:
+            ack = await tx.send("d0", *_shm_write(tx, src, [3, 7], [0, 5]))
+        except TimeoutError as e:       # twice in a fresh-clone full run, never alone: say more
+            raise AssertionError(
+                f"unanswered: on the wire {spy.seen}, decode applied {len(dec.writes)}, "
+                f"in flight {dec.active}, connected {rt_pre.nc.is_connected}/"
+                f"{rt_dec.nc.is_connected}, stats {rt_pre.nc.stats} / {rt_dec.nc.stats}") from e
         assert ack.applied and torch.equal(dec.kv[:, :, [0, 5]], src[:, :, [3, 7]])
         await rt_pre.nc.flush()
         assert spy.seen == [(True, 0)]                # only the handle crossed NATS
