@@ -198,6 +198,13 @@ def _consumer() -> list[str]:        # the prefill workers' durable pull consume
             _js("CONSUMER", "MSG", "NEXT", *c), f"$JS.ACK.{PREFILL_STREAM}.{PREFILL_CONSUMER}.>"]
 
 
+# the nats.micro requests a service makes of another ($SRV.<verb>.<service>): the gateway's
+# /metrics reads kvstore's gauges and the prefill ranks' LayerSplit gauges
+SRV_REQUESTS: dict[str, tuple[tuple[str, str], ...]] = {
+    "gateway": (("STATS", "kvstore"), ("STATS", "prefill")),
+}
+
+
 def control(identity: str) -> tuple[list[str], list[str]]:
     """(publish, subscribe) outside pdmesh.>: nats.micro ($SRV), JetStream ($JS), inbox."""
     if identity == DEBUG:   # read-only tools: `nats sub`, `nats micro`, `nats stream info`
@@ -205,8 +212,9 @@ def control(identity: str) -> tuple[list[str], list[str]]:
                  _js("STREAM", "LIST"), _js("CONSUMER", "INFO", ANY, ANY),
                  _js("CONSUMER", "NAMES", ANY), _js("CONSUMER", "LIST", ANY)], [">"])
     pub = [_srv("PING", identity)]            # its container's health check finds it
-    pub += {"decode": _stream_admin(), "prefill": _stream_admin() + _consumer(),
-            "gateway": [_srv("STATS", "kvstore")]}.get(identity, [])   # kvstore gauges
+    pub += {"decode": _stream_admin(), "prefill": _stream_admin() + _consumer()
+            }.get(identity, [])
+    pub += [_srv(verb, service) for verb, service in SRV_REQUESTS.get(identity, ())]
     sub = [_srv(ANY), _srv(ANY, identity), f"{_srv(ANY, identity)}.{ANY}",   # micro serves
            f"_INBOX.{identity}.>"]
     return pub, sub

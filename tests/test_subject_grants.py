@@ -110,3 +110,76 @@ def test_a_user_connects_with_its_env(user, tmp_path):
     assert env["PDMESH_NATS_USER"] == user and Path(env["PDMESH_NATS_PASSWORD_FILE"]).is_file()
     opts = s.auth(user).options()
     assert opts["password"] == s.passwords[user] and opts["inbox_prefix"] == f"_INBOX.{user}"
+
+
+# ---- $SRV requests: each one a service makes is granted (a denied one is a silent gap) ----
+MICRO_VERBS = {"stats": "STATS", "service_stats": "STATS", "total_stats": "STATS",
+               "ping": "PING", "survey": "PING"}
+
+
+def _micro_calls(path: Path) -> set[tuple[str, str]]:
+    """(VERB, service) of every `micro.<fn>(nc, "<service>", ...)` call in a file."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "micro"
+                and node.func.attr in MICRO_VERBS):
+            svc = node.args[1] if len(node.args) > 1 else None
+            name = svc.value if isinstance(svc, ast.Constant) else None
+            out.add((MICRO_VERBS[node.func.attr], name))
+    return out
+
+
+def test_every_srv_request_a_service_makes_is_granted_to_it():
+    seen = 0
+    for p in (ROOT / "services").rglob("*.py"):
+        user = p.relative_to(ROOT / "services").parts[0]
+        for verb, service in _micro_calls(p):
+            seen += 1
+            assert service is not None, f"{p}: micro.{verb} of every service is not grantable"
+            assert f"$SRV.{verb}.{service}" in S.permissions(user)["publish"], (p, verb, user)
+    assert seen >= 2, "found no micro calls in services/: the scan is broken"
+
+
+def test_the_gateway_reads_its_metrics_sources_under_auth(tmp_path):
+    """Every $SRV request /metrics makes, as the gateway's NATS user against a real
+    nats-server with the generated permissions: none is refused (it used to log
+    'permissions violation for publish to "$srv.stats.prefill"' on every scrape)."""
+    import asyncio
+
+    import nats
+
+    from pdmesh.cluster import free_port
+    from services.gateway.app import kvstore_stats, prefill_group_gauges
+
+    s = Secrets.create(tmp_path / "creds")
+    port = free_port()
+    conf = tmp_path / "n.conf"
+    conf.write_text(f"listen: 127.0.0.1:{port}\ninclude \"creds/auth.conf\"\n")
+    server = subprocess.Popen([nats_server_binary(), "-c", str(conf)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    async def scrape() -> list[str]:
+        errors: list[str] = []
+
+        async def on_error(e) -> None:
+            errors.append(str(e))
+        for _ in range(100):
+            try:
+                nc = await nats.connect(f"nats://127.0.0.1:{port}", error_cb=on_error,
+                                        **s.auth("gateway").options(), connect_timeout=1,
+                                        allow_reconnect=False)
+                break
+            except Exception:  # noqa: BLE001 - server starting
+                await asyncio.sleep(0.1)
+        await asyncio.gather(kvstore_stats(nc), prefill_group_gauges(nc))
+        await nc.flush()
+        await asyncio.sleep(0.2)      # a violation comes back as an async -ERR
+        await nc.close()
+        return errors
+    try:
+        errors = asyncio.run(scrape())
+    finally:
+        server.terminate()
+        server.wait(10)
+    assert not [e for e in errors if "ermission" in e], errors
