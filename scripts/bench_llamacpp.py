@@ -50,11 +50,7 @@ PROMPTS = [
     "Explain the rules of chess briefly.", "How do vaccines work?",
 ]
 LEVELS = {1: 8, 4: 16, 16: 32}     # concurrency -> requests
-MAKE_RUN_FLAGS = ["--threads", "auto", "--set", "decode.quantize=int4",   # what the Makefile's
-                  "--set", "prefill.quantize=int4",                   # run target passes
-                  "--set", "decode.act_int8=true", "--set", "prefill.act_int8=true",
-                  "--set", "decode.smoothquant=true",
-                  "--set", "decode.head_split=true"]
+MAKE_RUN_FLAGS: list[str] = []   # make run is `pdmesh up` at its defaults (the fast ones)
 
 
 def log(msg: str) -> None:
@@ -187,7 +183,7 @@ def main() -> int:
     ap.add_argument("--spawn-pdmesh", action="store_true")
     ap.add_argument("--pdmesh-model", default=str(default_model_dir()))
     ap.add_argument("--pdmesh-flags", default=" ".join(MAKE_RUN_FLAGS),
-                    help="pdmesh up's flags with --spawn-pdmesh (default: make run's)")
+                    help="pdmesh up's flags with --spawn-pdmesh (default: none, as make run)")
     ap.add_argument("--gguf", default="")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)

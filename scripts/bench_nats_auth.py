@@ -41,7 +41,7 @@ from pdmesh.rawnats import log, raw_run, responder_main  # noqa: E402
 from shared import micro, subjects  # noqa: E402
 from shared.natsconn import NatsAuth  # noqa: E402
 
-MODES = {"off": {}, "auth": {"nats_auth": True},
+MODES = {"off": {"nats_auth": False}, "auth": {"nats_auth": True},
          "auth+tls": {"nats_auth": True, "nats_tls": True}}
 SIZES = (1 << 10, 64 << 10, 1 << 20)       # KV write payloads: tiny, a block group, large
 WINDOW = 8

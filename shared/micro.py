@@ -35,17 +35,18 @@ class Instance:
     errors: int = 0
 
 
-async def connect_once(url: str, timeout_s: float = 2.0) -> nats.NATS:
+async def connect_once(url: str, timeout_s: float = 2.0, auth: NatsAuth | None = None
+                       ) -> nats.NATS:
     """One quiet connection attempt (no retry loop, no traceback on refusal); raises
     ConnectionError when the server cannot be reached within timeout_s. url: one server
-    or several, comma-separated; identity and TLS from PDMESH_NATS_* (shared.natsconn)."""
+    or several, comma-separated; identity and TLS: auth, else PDMESH_NATS_* (shared.natsconn)."""
 
     async def quiet(_e) -> None:
         pass
 
     try:
         return await asyncio.wait_for(nats.connect(
-            **connect_kwargs(url, NatsAuth.from_env()), connect_timeout=timeout_s,
+            **connect_kwargs(url, auth or NatsAuth.from_env()), connect_timeout=timeout_s,
             allow_reconnect=False, max_reconnect_attempts=1, error_cb=quiet), timeout_s + 0.5)
     except Exception as e:  # noqa: BLE001 - refused, timed out, no servers
         raise ConnectionError(f"cannot reach nats at {url}: {e!r}") from e

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdmesh import cli
+from pdmesh import cli, up
 from pdmesh.overrides import parse_sets
 from shared.micro import Instance
 
@@ -25,14 +25,14 @@ def pdmesh(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 def test_help_lists_every_subcommand():
     r = pdmesh("--help")
     assert r.returncode == 0, r.stderr
-    for sub in ("up", "status", "tail", "generate", "bench"):
+    for sub in ("up", "serve", "config", "status", "tail", "generate", "bench"):
         assert sub in r.stdout
 
 
 def test_up_help_names_its_options():
     out = pdmesh("up", "--help").stdout
     for flag in ("--model", "--prefill", "--decode", "--port", "--nats-port", "--mode",
-                 "--deterministic", "--extra-env"):
+                 "--deterministic", "--extra-env", "--max-model-len", "--api-key", "--config"):
         assert flag in out
 
 
@@ -40,8 +40,9 @@ def test_up_help_names_its_options():
                     reason="models/tiny-target not trained (scripts/train_models.py)")
 @pytest.mark.parametrize("chat", ["--chat", "--no-chat"])
 def test_generate_prints_text(chat):
-    r = pdmesh("generate", "--model", str(TINY_TARGET), "--max-tokens", "8", "--threads", "1",
-               chat, "def fibonacci(n):")
+    # no --threads (torch's default) and int4 weights, as serve's default
+    r = pdmesh("generate", "--model", str(TINY_TARGET), "--max-tokens", "4", chat,
+               "def fibonacci(n):")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip(), "no text generated"
 
@@ -121,8 +122,8 @@ def test_the_ready_banner_reads_keys_and_model_from_one_request(status, body, hi
     srv = HTTPServer(("127.0.0.1", 0), Gateway)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
-        got_hint, got_model = cli._probe(f"http://127.0.0.1:{srv.server_address[1]}")
+        got_hint, got_model = up._probe(f"http://127.0.0.1:{srv.server_address[1]}")
     finally:
         srv.shutdown()
     assert got_hint.startswith(hint) and got_model == model and seen == ["/v1/models"]
-    assert cli._probe("http://127.0.0.1:9")[0] == "API keys: unknown (the gateway did not answer)"
+    assert up._probe("http://127.0.0.1:9")[0] == "API keys: unknown (the gateway did not answer)"

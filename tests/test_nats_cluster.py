@@ -44,7 +44,7 @@ async def _fetch_all(puller, n: int, timeout_s: float = 30.0) -> list[bytes]:
 
 async def test_three_nodes_replicate_the_job_queue_and_survive_a_node():
     async with Cluster(model="unused", prefill=0, decode=0, gateway=False, echo=False,
-                       nats_cluster=3) as c:
+                       nats_cluster=3, nats_auth=False) as c:   # one client: decode + prefill
         assert c.nats_names() == ["nats-0", "nats-1", "nats-2"]
         assert len(c.nats_servers) == 3 and c.nats_url == ",".join(c.nats_servers)
         conf = (c.tmp / "nats-0.conf").read_text()
@@ -88,7 +88,8 @@ async def test_three_nodes_replicate_the_job_queue_and_survive_a_node():
 
 
 async def test_job_stream_is_recreated_when_its_store_is_lost():
-    async with Cluster(model="unused", prefill=0, decode=0, gateway=False, echo=False) as c:
+    async with Cluster(model="unused", prefill=0, decode=0, gateway=False, echo=False,
+                       nats_auth=False) as c:    # one client plays decode and prefill
         assert c.nats_names() == ["nats"]
         nc = await nats.connect(c.nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
         js = nc.jetstream()
@@ -113,7 +114,8 @@ async def test_job_stream_is_recreated_when_its_store_is_lost():
 
 
 async def test_publish_retries_are_deduplicated():
-    async with Cluster(model="unused", prefill=0, decode=0, gateway=False, echo=False) as c:
+    async with Cluster(model="unused", prefill=0, decode=0, gateway=False, echo=False,
+                       nats_auth=False) as c:    # one client plays decode and prefill
         nc = await nats.connect(c.nats_url)
         js = nc.jetstream()
         await jobqueue.ensure_stream(js)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -69,6 +70,7 @@ class DecodeService:
         require_allowed(cfg.faults)
         self.cfg = cfg
         self.iid = cfg.instance_id or new_instance_id("decode")
+        self.incarnation = secrets.token_hex(8)    # this process: a restart is a new one
         self.engine = engine or LLMEngine(cfg.engine)
         self.fingerprint = self.engine.tokenizer.fingerprint
         self.rt = ServiceRuntime("decode", self.iid, cfg.nats_url, stats=self.stats,
@@ -160,7 +162,7 @@ class DecodeService:
                          blocks_quarantined=st["blocks_quarantined"],
                          accepting=self.accepting, max_model_len=self.engine.max_model_len,
                          capacity=self.engine.cfg.max_num_seqs, ready=self.ready(),
-                         host=host_id(), ts=time.time())
+                         host=host_id(), ts=time.time(), incarnation=self.incarnation)
 
     def write_back(self, rid: str) -> None:
         """A prompt computed here goes to kvstore too: its prefix then hits on either path
@@ -214,7 +216,7 @@ class DecodeService:
             raise ServiceError(ErrorCode.ABORTED, "aborted while being admitted", rid)
         self.counters[r.path.value] += 1
         self.wake.set()
-        return encode(SubmitAck(request_id=rid, path=r.path))
+        return encode(SubmitAck(request_id=rid, path=r.path, incarnation=self.incarnation))
 
     def _check_submit(self, sub: DecodeSubmit) -> None:
         if not self.accepting:

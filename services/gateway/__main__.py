@@ -23,12 +23,16 @@ async def serve(cfg: GatewayConfig, spec: ModelSpec | None = None) -> None:
     await runner.setup()                       # on_startup: NATS, micro, subscriptions
     gw = app[GATEWAY]
     try:
-        site = web.TCPSite(runner, cfg.host, cfg.port)
+        site = web.TCPSite(runner, cfg.host, cfg.port, reuse_port=cfg.reuse_port or None)
         await site.start()
         log.info("gateway listening on http://%s:%d", cfg.host, cfg.port)
         await gw.runtime.stopping.wait()       # SIGTERM / SIGINT
+        if cfg.reuse_port:      # a successor shares the port: it takes the new connections
+            await site.stop()
+            for conn in list(runner.server.connections):
+                conn.close()    # keep-alive ones too, each after the response it is writing
         log.info("gateway draining (%d in flight)", gw.in_flight)
-        await gw.drain()
+        await gw.drain(refuse_new=not cfg.reuse_port)
     finally:
         await runner.cleanup()                 # stops the site; on_cleanup closes NATS
 

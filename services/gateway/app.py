@@ -82,10 +82,12 @@ class Gateway:
         log.info("gateway %s serving %s (context %d) via %s", self.cfg.instance_id,
                  self.spec.name, self.spec.max_model_len, self.cfg.nats_url)
 
-    async def drain(self) -> None:
+    async def drain(self, refuse_new: bool = True) -> None:
         """Refuse new requests, let in-flight ones finish for drain_grace_s, then end the
-        rest with an explicit error."""
-        self.draining = True
+        rest with an explicit error. refuse_new False: a successor listens on the port, and
+        a request that still arrives on a connection opened before is served, not refused
+        (each connection closes after its response)."""
+        self.draining = refuse_new
         deadline = time.monotonic() + self.cfg.drain_grace_s
         while self.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

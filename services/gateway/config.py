@@ -22,6 +22,11 @@ class GatewayConfig:
         "HF model folder: tokenizer, chat template, config.json (context window)"))
     served_model_name: str = field(default="", metadata=_help(
         "model id clients send and /v1/models lists (default: the folder name)"))
+    max_model_len: int = field(default=0, metadata=_help(
+        "context window requests are checked against, prompt + completion tokens, and "
+        "/v1/models lists (0: the model's max_position_embeddings); set it as decode's"))
+    chat_template: str = field(default="", metadata=_help(
+        "a Jinja chat template file that replaces the model's ('': the model's)"))
     nats_url: str = field(default="nats://127.0.0.1:4222", metadata=_help("NATS server URL"))
     nats: NatsAuth = field(default_factory=NatsAuth, metadata={"prefix": "nats_"})   # identity, TLS
     otlp_endpoint: str = field(default="", metadata=_help(
@@ -29,6 +34,9 @@ class GatewayConfig:
         "off when empty (PDMESH_OTLP_ENDPOINT sets it for every service)"))
     host: str = field(default="127.0.0.1", metadata=_help("HTTP listen address"))
     port: int = field(default=8000, metadata=_help("HTTP listen port"))
+    reuse_port: bool = field(default=False, metadata=_help(
+        "listen with SO_REUSEPORT, and on SIGTERM stop listening before draining: a "
+        "successor on the same port takes the new connections (pdmesh restart gateway)"))
     instance_id: str = field(default="", metadata=_help(
         "this gateway's id in subjects (default: generated)"))
     request_timeout_s: float = field(default=600.0, metadata=_help(
@@ -104,6 +112,10 @@ class GatewayConfig:
         if self.responses_store_size < 0:
             raise ValueError(f"responses_store_size must be >= 0, got "
                              f"{self.responses_store_size}")
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
+        if self.chat_template and not Path(self.chat_template).is_file():
+            raise ValueError(f"chat_template {self.chat_template}: no such file")
         if self.default_max_tokens < 0:
             raise ValueError(f"default_max_tokens must be >= 0, got {self.default_max_tokens}")
         parse_keys(self.api_key, self.api_key_file)     # a key file that cannot be read: now

@@ -96,6 +96,7 @@ class Dispatch:
     origin: Submission | None = field(default=None, repr=False)   # before any migration
     next_seq: int = 0          # the seq the next TokenChunk must carry
     progress_at: float = 0.0   # when the last chunk (or the dispatch) arrived
+    incarnation: str = ""      # the decode process that accepted it
 
 
 class Lost(OpenAIError):
@@ -130,6 +131,7 @@ class DecodeClient:
         self.tick_s = min(tick_s, registry.dead_after_s / 4)
         self.clock = clock
         self.queues: dict[str, asyncio.Queue] = {}
+        self.failing = False        # fail_all ran: a SHUTTING_DOWN chunk is this gateway's
         self.dropped_chunks = 0
         self.bad_messages = 0
         self.affinity = PrefixAffinity()
@@ -215,7 +217,8 @@ class DecodeClient:
                 continue
             self.routed_warm += cached.get(inst, 0) > 0
             self.affinity.record(sub.prompt_ids, inst, sub.cache_salt)
-            return Dispatch(rid, inst, ack.path, queue, sub, progress_at=self.clock())
+            return Dispatch(rid, inst, ack.path, queue, sub, progress_at=self.clock(),
+                            incarnation=ack.incarnation)
         if reasons and all(ErrorCode.OVERLOADED.value in r for r in reasons):
             raise overloaded("every decode instance refused: " + "; ".join(reasons))
         why = self.registry.why_none(self.clock(), tried)
@@ -293,7 +296,13 @@ class DecodeClient:
             self._check_progress(d)
 
     def _in_order(self, d: Dispatch, c: TokenChunk) -> TokenChunk:
-        """A chunk whose seq is not the next one means one was lost: never a silent end."""
+        """A chunk whose seq is not the next one means one was lost: never a silent end. A
+        decode instance that shuts down (drained past its drain_timeout_s: a rolling restart)
+        hands its requests on: they migrate like a lost instance's."""
+        if (c.error is not None and c.error.code is ErrorCode.SHUTTING_DOWN
+                and not self.failing):
+            raise Lost(f"decode instance {d.instance} shut down while serving this request",
+                       "instance_shutdown")
         if c.error is None:      # (error chunks made here carry no sequence)
             if c.seq != d.next_seq:
                 raise Lost(f"decode instance {d.instance}: token chunk {d.next_seq} of this "
@@ -330,6 +339,10 @@ class DecodeClient:
             conn = "" if self.nc.is_connected else " (this gateway is not connected to NATS)"
             raise Lost(f"decode instance {d.instance} stopped sending heartbeats "
                        f"({silent:.1f}s silent) while serving this request{conn}", "instance_dead")
+        now_serving = self.registry.incarnation(d.instance)
+        if d.incarnation and now_serving and now_serving != d.incarnation:
+            raise Lost(f"decode instance {d.instance} restarted (a new process) while serving "
+                       "this request", "instance_restarted")
         if now - d.progress_at > self.progress_timeout_s:
             raise Lost(f"decode instance {d.instance} sent nothing for this request in "
                        f"{now - d.progress_at:.0f}s (progress_timeout_s)", "no_progress")
@@ -345,6 +358,7 @@ class DecodeClient:
     def fail_all(self, code: ErrorCode, message: str) -> int:
         """End every waiting request with an error chunk (shutdown after the grace); not
         `finished`, so each is still aborted at its decode instance."""
+        self.failing = True         # this gateway shuts down: nothing to migrate to
         for rid, q in self.queues.items():
             q.put_nowait(TokenChunk(request_id=rid, finished=False,
                                     error=ErrorReply(code=code, message=message, request_id=rid)))

@@ -35,7 +35,7 @@ class ModelSpec:
             raise ValueError(f"model folder {folder} has no config.json")
         if tokenizer is None:
             from shared.engine.tokenizer import Tokenizer
-            tokenizer = Tokenizer.from_pretrained(folder)
+            tokenizer = Tokenizer.from_pretrained(folder, cfg.chat_template or None)
         config = _read_json(folder / "config.json")
         text_config = config.get("text_config") or {}
         window = (config.get("max_position_embeddings")
@@ -43,6 +43,8 @@ class ModelSpec:
                   or getattr(tokenizer, "context_length", None))
         if not window:
             raise ValueError(f"{folder}/config.json has no max_position_embeddings")
+        if cfg.max_model_len:        # as the engine: never past the model's own window
+            window = min(cfg.max_model_len, int(window))
         vocab = config.get("vocab_size") or text_config.get("vocab_size") or tokenizer.vocab_size
         defaults, cap = load_generation_defaults(folder) if cfg.generation_config else ({}, None)
         return cls(name=cfg.served_model_name, aliases=frozenset({cfg.model, str(folder)}),

@@ -83,6 +83,11 @@ class Registry:
         inst = self.instances.get(instance_id)
         return inst is not None and now - inst.seen <= self.dead_after_s
 
+    def incarnation(self, instance_id: str) -> str:
+        """The process now heartbeating as instance_id ('' unknown)."""
+        inst = self.instances.get(instance_id)
+        return inst.hb.incarnation if inst is not None else ""
+
     def silent_for(self, instance_id: str, now: float) -> float | None:
         inst = self.instances.get(instance_id)
         return None if inst is None else now - inst.seen

@@ -50,6 +50,7 @@ class SubmitAck(msgspec.Struct, frozen=True, kw_only=True):
     v: int = VERSION
     request_id: str
     path: Path
+    incarnation: str = ""             # the accepting process (Heartbeat.incarnation)
 
 
 class KvDestination(msgspec.Struct, frozen=True, kw_only=True):
@@ -182,6 +183,8 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     host: str = ""                    # what shares /dev/shm with it (shared/kv/shm.host_id):
     #                                   a prefill on the same host writes KV through memory
     ts: float = 0.0
+    incarnation: str = ""             # random per process: a restart under the same
+    #                                   instance_id is a new one (its requests are gone)
 
 
 class Health(msgspec.Struct, frozen=True, kw_only=True):

@@ -40,10 +40,15 @@ class Tokenizer:
                                    if self.path else {})
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> "Tokenizer":
+    def from_pretrained(cls, path: str | os.PathLike,
+                        chat_template: str | os.PathLike | None = None) -> "Tokenizer":
+        """chat_template: a Jinja file that replaces the model's template."""
         from transformers import AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(path), path)
+        hf = AutoTokenizer.from_pretrained(path)
+        if chat_template is not None:
+            hf.chat_template = Path(chat_template).read_text()
+        return cls(hf, path)
 
     # text <-> ids
 

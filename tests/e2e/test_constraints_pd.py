@@ -133,7 +133,7 @@ def run_cases(mesh, tiny_tokenizer, n: int, seed: int = 0, at_once: int = 8):
         cases.append((c, tools, ids, params))
 
     async def run():
-        nc = await nats.connect(mesh.nats_url)
+        nc = await nats.connect(**mesh.client_options("gateway"))    # who submits to decode
         iid = mesh.procs["decode-0"].instance_id
         gate = asyncio.Semaphore(at_once)
 

@@ -111,7 +111,7 @@ async def test_cached_tokens_never_cross_keys(mesh, path):
 
 
 async def test_a_forged_bad_heartbeat_during_200_requests(mesh):
-    nc = await nats.connect(mesh.nats_url)
+    nc = await nats.connect(**mesh.client_options("decode"))   # a decode that lies
     stop = asyncio.Event()
     forged = 0
 

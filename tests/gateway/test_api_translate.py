@@ -262,11 +262,11 @@ def test_response_store_is_a_bounded_lru():
 
 
 def test_pdmesh_up_defaults_to_the_converted_default_model(smollm2, monkeypatch):
-    from pdmesh import cli
+    from pdmesh import cli, up
 
     assert cli.build_parser().parse_args(["up"]).model is None
     monkeypatch.setenv("PDMESH_SMOLLM2_DIR", str(smollm2))
-    assert cli._default_model() == str(smollm2)
+    assert up._default_model() == str(smollm2)
     gen = json.loads((smollm2 / "generation_config.json").read_text())
     assert (gen["temperature"], gen["top_p"]) == (0.2, 0.9)     # the model card's defaults
     assert msgspec.json.decode((smollm2 / "config.json").read_bytes())["model_type"] == "llama"

@@ -1,0 +1,79 @@
+"""A request's decode instance goes away without going silent: it restarted under the same
+instance id (pdmesh up's supervisor starts a killed decode again in under a second, so its
+heartbeats barely pause), or it drained past its drain_timeout_s (a rolling restart) and
+ended the request with SHUTTING_DOWN. Both are a lost instance: the gateway migrates the
+request at once, instead of waiting progress_timeout_s (60 s) for chunks that will never come,
+or failing it. Real nats-server; a scripted decode."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import nats
+import pytest
+
+from services.gateway.dispatch import DecodeClient, Lost
+from services.gateway.registry import Registry
+from shared import subjects
+from shared.contracts.common import Codec, ErrorCode, ErrorReply, encode
+from shared.contracts.constraint import Constraint
+from shared.contracts.messages import DecodeSubmit, Heartbeat, Path, SubmitAck, TokenChunk
+from shared.contracts.sampling import SamplingParams
+
+pytestmark = pytest.mark.timeout(30)
+
+
+async def _accepted(nats_url):
+    nc = await nats.connect(nats_url)
+
+    async def decode(msg):
+        sub = Codec(DecodeSubmit).decode(msg.data)
+        await msg.respond(encode(SubmitAck(request_id=sub.request_id, path=Path.COLOCATED,
+                                           incarnation="first")))
+
+    await nc.subscribe(subjects.decode_submit("d_0"), cb=decode)
+    reg = Registry(dead_after_s=5.0)
+    reg.observe(Heartbeat(service="decode", instance_id="d_0", incarnation="first"),
+                time.monotonic())
+    client = DecodeClient(nc, reg, "g_0", "", submit_timeout_s=5.0, request_timeout_s=20.0,
+                          tick_s=0.05)
+    d = await client.submit("r1", [1, 2], SamplingParams(), Constraint())
+    assert d.incarnation == "first"
+    return nc, reg, client, d
+
+
+async def test_a_decode_restarted_under_its_id_loses_its_requests_at_once(nats_url):
+    nc, reg, client, d = await _accepted(nats_url)
+    reg.observe(Heartbeat(service="decode", instance_id="d_0", incarnation="second"),
+                time.monotonic())
+    with pytest.raises(Lost) as e:
+        await client.next_chunk(d, time.monotonic() + 10)
+    assert e.value.reason == "instance_restarted"
+    await nc.close()
+
+
+async def test_the_same_process_heartbeating_on_keeps_its_requests(nats_url):
+    nc, reg, client, d = await _accepted(nats_url)
+    reg.observe(Heartbeat(service="decode", instance_id="d_0", incarnation="first"),
+                time.monotonic())
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(client.next_chunk(d, time.monotonic() + 10), 0.5)
+    await nc.close()
+
+
+async def test_a_draining_decode_hands_its_requests_on(nats_url):
+    nc, reg, client, d = await _accepted(nats_url)
+    d.queue.put_nowait(TokenChunk(request_id="r1", finished=True, error=ErrorReply(
+        code=ErrorCode.SHUTTING_DOWN, message="decode instance shut down", request_id="r1")))
+    with pytest.raises(Lost) as e:
+        await client.next_chunk(d, time.monotonic() + 10)
+    assert e.value.reason == "instance_shutdown"
+    await nc.close()
+
+
+async def test_the_gateway_s_own_shutdown_is_not_handed_on(nats_url):
+    nc, reg, client, d = await _accepted(nats_url)
+    client.fail_all(ErrorCode.SHUTTING_DOWN, "the gateway is shutting down")
+    c = await client.next_chunk(d, time.monotonic() + 10)
+    assert c.error.code is ErrorCode.SHUTTING_DOWN
+    await nc.close()
