@@ -141,45 +141,94 @@ def test_every_srv_request_a_service_makes_is_granted_to_it():
     assert seen >= 2, "found no micro calls in services/: the scan is broken"
 
 
+class _AuthServer:
+    """A real nats-server (JetStream on) with the generated users and permissions; each
+    connection records the permission violations the server reports to it."""
+
+    def __init__(self, tmp_path):
+        from pdmesh.cluster import free_port
+
+        self.secrets = Secrets.create(tmp_path / "creds")
+        self.port = free_port()
+        conf = tmp_path / "n.conf"
+        conf.write_text(f"listen: 127.0.0.1:{self.port}\ninclude \"creds/auth.conf\"\n"
+                        f"jetstream {{ store_dir: \"{tmp_path / 'js'}\" }}\n")
+        self.proc = subprocess.Popen([nats_server_binary(), "-c", str(conf)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.violations: list[str] = []
+
+    async def connect(self, user: str):
+        import asyncio
+
+        import nats
+
+        async def on_error(e) -> None:
+            if "ermission" in str(e):
+                self.violations.append(f"{user}: {e}")
+        for _ in range(100):
+            try:
+                return await nats.connect(f"nats://127.0.0.1:{self.port}", error_cb=on_error,
+                                          **self.secrets.auth(user).options(),
+                                          connect_timeout=1, allow_reconnect=False)
+            except Exception:  # noqa: BLE001 - server starting
+                await asyncio.sleep(0.1)
+        raise RuntimeError("nats-server did not start")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+def test_the_job_queue_s_jetstream_requests_are_granted(tmp_path):
+    """Every $JS.API request the job queue makes, as the service that makes it, against a
+    real server with the generated permissions: decode makes the stream and queues a job,
+    prefill makes its durable consumer, pulls the job, marks it in progress and acks it."""
+    import asyncio
+
+    from shared import jobqueue
+
+    srv = _AuthServer(tmp_path)
+
+    async def go() -> bytes:
+        dec, pre = await srv.connect("decode"), await srv.connect("prefill")
+        await jobqueue.ensure_stream(dec.jetstream())
+        await jobqueue.publish_job(dec.jetstream(), b"job-1", msg_id="job-1")
+        puller = await jobqueue.pull_subscription(pre.jetstream(), 10.0, 5, 4)
+        (msg,) = await puller.fetch(1, timeout=5)
+        await msg.in_progress()
+        await msg.ack()
+        assert await puller.repair(check=True) is False       # consumer_info: found
+        await dec.flush()
+        await pre.flush()
+        await asyncio.sleep(0.2)      # a violation comes back as an async -ERR
+        await dec.close()
+        await pre.close()
+        return msg.data
+    try:
+        assert asyncio.run(go()) == b"job-1"
+    finally:
+        srv.close()
+    assert srv.violations == []
+
+
 def test_the_gateway_reads_its_metrics_sources_under_auth(tmp_path):
     """Every $SRV request /metrics makes, as the gateway's NATS user against a real
     nats-server with the generated permissions: none is refused (it used to log
     'permissions violation for publish to "$srv.stats.prefill"' on every scrape)."""
     import asyncio
 
-    import nats
-
-    from pdmesh.cluster import free_port
     from services.gateway.app import kvstore_stats, prefill_group_gauges
 
-    s = Secrets.create(tmp_path / "creds")
-    port = free_port()
-    conf = tmp_path / "n.conf"
-    conf.write_text(f"listen: 127.0.0.1:{port}\ninclude \"creds/auth.conf\"\n")
-    server = subprocess.Popen([nats_server_binary(), "-c", str(conf)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    srv = _AuthServer(tmp_path)
 
-    async def scrape() -> list[str]:
-        errors: list[str] = []
-
-        async def on_error(e) -> None:
-            errors.append(str(e))
-        for _ in range(100):
-            try:
-                nc = await nats.connect(f"nats://127.0.0.1:{port}", error_cb=on_error,
-                                        **s.auth("gateway").options(), connect_timeout=1,
-                                        allow_reconnect=False)
-                break
-            except Exception:  # noqa: BLE001 - server starting
-                await asyncio.sleep(0.1)
+    async def scrape() -> None:
+        nc = await srv.connect("gateway")
         await asyncio.gather(kvstore_stats(nc), prefill_group_gauges(nc))
         await nc.flush()
         await asyncio.sleep(0.2)      # a violation comes back as an async -ERR
         await nc.close()
-        return errors
     try:
-        errors = asyncio.run(scrape())
+        asyncio.run(scrape())
     finally:
-        server.terminate()
-        server.wait(10)
-    assert not [e for e in errors if "ermission" in e], errors
+        srv.close()
+    assert srv.violations == []
