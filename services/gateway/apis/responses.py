@@ -13,6 +13,9 @@
                                          chat's (structured.py), so it crosses PD
     text.format json_schema / json_object -> response_format
     max_output_tokens                 -> max_completion_tokens
+    metadata                          -> echoed and stored as given, within OpenAI's
+                                         bounds: 16 pairs, keys of 64 characters, string
+                                         values of 512 (stored per response: store.py)
 
 Errors are OpenAI errors whose `param` names the Responses field (input, text.format, ...).
 """
@@ -30,6 +33,9 @@ from ..validate import _decode, prepare_chat
 from .common import Job
 
 UNSUPPORTED = ("background", "conversation", "prompt")
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY = 64             # characters
+MAX_METADATA_VALUE = 512          # characters
 
 
 class Part(msgspec.Struct, kw_only=True):
@@ -89,7 +95,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     stream: bool | None = None
     store: bool | None = None
     previous_response_id: str | None = None
-    metadata: dict[str, str] | None = None
+    metadata: dict[str, Any] | None = None      # checked by _check_metadata
     user: str | None = None
     truncation: str | None = None
     top_logprobs: int | None = None
@@ -159,6 +165,23 @@ def _refuse(req: ResponsesRequest) -> None:
     if req.truncation not in (None, "disabled"):
         raise OpenAIError(400, f"'truncation' must be 'disabled' (this server never drops "
                                f"input), got {req.truncation!r}", "truncation")
+    _check_metadata(req.metadata)
+
+
+def _check_metadata(metadata: dict[str, Any] | None) -> None:
+    if metadata is None:
+        return
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise OpenAIError(400, f"'metadata' may hold at most {MAX_METADATA_PAIRS} key-value "
+                               f"pairs, got {len(metadata)}", "metadata")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY:
+            raise OpenAIError(400, f"'metadata' keys must be at most {MAX_METADATA_KEY} "
+                                   f"characters, got one of {len(key)}", "metadata")
+        if not isinstance(value, str) or len(value) > MAX_METADATA_VALUE:
+            raise OpenAIError(400, f"'metadata' values must be strings of at most "
+                                   f"{MAX_METADATA_VALUE} characters; the value of "
+                                   f"{key!r} is not", "metadata")
 
 
 # ---- input items -------------------------------------------------------------------------

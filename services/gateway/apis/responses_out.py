@@ -10,7 +10,7 @@ output_text.delta*, output_text.done, content_part.done, output_item.done; per f
 call output_item.added, function_call_arguments.delta, function_call_arguments.done,
 output_item.done; then response.completed (or response.incomplete). An error after the
 headers: `error`, then response.failed. With store on, the response and its conversation
-go to the store (store.py) once it is finished.
+go to the store (store.py), under the request's tenant, once it is finished.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from shared.contracts.messages import FinishReason
 
 from .. import protocol as P
 from ..aborting import fail_stream
+from ..auth import TENANT
 from ..protocol import OpenAIError
 from .common import Call, Turn, whole_blocks
 from .responses import Ctx
@@ -94,7 +95,8 @@ def _remember(store: ResponseStore, turn: Turn, response: dict, text: str | None
                   for c in calls] or None
     reply = P.ChatMessage(role="assistant", content=text if text or not calls else None,
                           tool_calls=tool_calls)
-    store.put(turn.rid, response, ctx.history + [reply])
+    store.put(turn.rid, response, ctx.history + [reply],
+              tenant=turn.request.get(TENANT, ""))
 
 
 async def respond_whole(turn: Turn, store: ResponseStore) -> web.Response:

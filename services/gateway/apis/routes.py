@@ -2,7 +2,8 @@
 
     POST   /tokenize, /detokenize                 vLLM's shapes (tokenize.py)
     POST   /v1/responses                          OpenAI Responses API
-    GET    /v1/responses/{id}, DELETE the same    a stored response (store.py)
+    GET    /v1/responses/{id}, DELETE the same    a stored response (store.py), the
+                                                  caller's tenant's only
     POST   /v1/messages                           Anthropic Messages API
     POST   /v1/messages/count_tokens              Anthropic's token count
 
@@ -12,11 +13,13 @@ other route keeps OpenAI's {"error": {message, type, param, code}} (app._errors 
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from .. import protocol as P
+from ..auth import TENANT
 from ..protocol import OpenAIError
 from . import messages_out, responses_out
 from .common import Turn, run
@@ -48,27 +51,26 @@ def add_routes(app: web.Application, gw: Gateway) -> ResponseStore:
     async def on_detokenize(request: web.Request) -> web.Response:
         return _json(await gw.prepare(detokenize, await request.read()))
 
-    def parse_r(body: bytes, spec):
-        return parse_responses(body, spec, store.history)
-
     async def answer_r(turn: Turn) -> web.StreamResponse:
         if turn.job.stream:
             return await responses_out.respond_stream(turn, store)
         return await responses_out.respond_whole(turn, store)
 
     async def on_responses(request: web.Request) -> web.StreamResponse:
-        return await run(gw, request, parse_r, answer_r, "resp")
+        lookup = partial(store.history, tenant=_tenant(request))
+        return await run(gw, request, partial(parse_responses, lookup=lookup), answer_r,
+                         "resp")
 
     async def on_get_response(request: web.Request) -> web.Response:
         rid = request.match_info["rid"]
-        found = store.response(rid)
+        found = store.response(rid, _tenant(request))
         if found is None:
             raise _not_found(rid)
         return _json(found)
 
     async def on_delete_response(request: web.Request) -> web.Response:
         rid = request.match_info["rid"]
-        if not store.delete(rid):
+        if not store.delete(rid, _tenant(request)):
             raise _not_found(rid)
         return _json({"id": rid, "object": "response.deleted", "deleted": True})
 
@@ -105,6 +107,11 @@ def _count_body(body: bytes, spec):
         data["max_tokens"] = 1
         body = json.dumps(data).encode()
     return parse_messages(body, spec)
+
+
+def _tenant(request: web.Request) -> str:
+    """Whose stored responses the request sees (store.py); "" on an open gateway."""
+    return request.get(TENANT, "")
 
 
 def _json(obj: dict) -> web.Response:
