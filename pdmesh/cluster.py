@@ -33,6 +33,7 @@ import asyncio
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -51,15 +52,14 @@ from pdmesh.launch import (
     echo_fn,
     free_port,
     known_settings as _known,
+    listen_socket,
     nats_server_binary,
-    split_overrides as _split_overrides,
     to_flags,
 )
 from pdmesh.natsgroup import NatsGroup
-from pdmesh.prefill_group import group_settings
+from pdmesh.plan import plan
 from pdmesh.procs import Proc, Supervisor
 from pdmesh.restarts import RestartPolicy
-from pdmesh.threads import resolve_threads
 from pdmesh.watchdog import Watchdog
 
 __all__ = ["CONFIG_CLASSES", "SERVICES", "Cluster", "ClusterError", "config_class",
@@ -106,8 +106,8 @@ class Cluster:
         self.nats_auth, self.nats_tls = nats_auth, nats_tls
         self.nats: NatsGroup | None = None
         self.secrets: Secrets | None = None
-        self.settings, self.instance_settings = self._plan(
-            prefill, decode, prefill_group, overrides, threads,
+        self.settings, self.instance_settings = plan(
+            self.model, self.counts, overrides, threads, prefill_group,
             {"dtype": dtype, "deterministic": deterministic}, mode)
         self.extra_env = dict(extra_env or {})
         self.echo = echo_fn(echo)
@@ -120,34 +120,10 @@ class Cluster:
         self.watchdog: Watchdog | None = None
         self.on_start: Callable[[Proc], None] | None = None   # a child was started again
         self._watch: asyncio.Task | None = None
+        self._sock: socket.socket | None = None    # the gateways' listening socket
         self.tmp: Path | None = None
         self._sup: Supervisor | None = None
         self._echo_lock = threading.Lock()
-
-    def _plan(self, prefill: int, decode: int, prefill_group: int, overrides, threads,
-              engine: dict[str, Any], mode: str | None
-              ) -> tuple[dict[str, dict[str, Any]], dict[str, dict]]:
-        """Each service's settings, and each instance's own ("decode-0"); checked now, not
-        after nats started."""
-        settings: dict[str, dict[str, Any]] = {
-            "gateway": {"model": self.model},
-            "decode": {"model": self.model, **engine, "threads": threads, "mode": mode,
-                       "require_prefill": prefill > 0},   # ready means PD is usable too
-            "prefill": {"model": self.model, **engine, "threads": threads},
-            "kvstore": {},
-        }
-        per_instance = _split_overrides(overrides, settings)
-        self.counts["prefill"] = group_settings(per_instance, prefill, prefill_group)
-        if threads == "auto":   # the host's cores divided among the engine instances
-            settings["decode"]["threads"] = settings["prefill"]["threads"] = None
-            for key, n in resolve_threads(threads, self.counts["prefill"], decode).items():
-                per_instance.setdefault(key, {}).setdefault("threads", n)
-        for service, kv in settings.items():
-            if self.counts[service] or service in (overrides or {}):
-                _known(service, kv | {"nats_url": "", "instance_id": ""})
-        for key, kv in per_instance.items():
-            _known(key.partition("-")[0], kv)
-        return settings, per_instance
 
     # ---- addresses ----------------------------------------------------------------------
     @property
@@ -316,14 +292,18 @@ class Cluster:
         name, iid = f"{service}-{index}", f"{service}_{index}"
         settings = ({"nats_url": self._service_url, "instance_id": iid} | self.settings[service]
                     | self.instance_settings.get(name, {}))
-        if service == "gateway":   # reuse_port: a rolling restart starts the next one first
-            settings |= {"host": self.host, "port": self.port, "reuse_port": True}
+        fds: tuple[int, ...] = ()
+        if service == "gateway":   # on this process's socket: it outlives every gateway
+            if self._sock is None:
+                self._sock = listen_socket(self.host, self.port)
+            fds = (self._sock.fileno(),)
+            settings |= {"host": self.host, "port": self.port, "listen_fd": fds[0]}
         if service == "kvstore" and "disk_dir" not in settings:   # L3 files die with the run
             settings |= {"disk_dir": str(self.tmp / f"kvstore-{index}")}
         argv = [sys.executable, "-m", f"services.{service}", *to_flags(_known(service, settings))]
         nats_env = self.secrets.env(service) if self.secrets is not None else {}
         proc = Proc(name, service, argv, child_env(self.extra_env, nats_env),
-                    instance_id=settings["instance_id"])
+                    instance_id=settings["instance_id"], pass_fds=fds)
         self.procs[name] = proc
         return proc
 
@@ -333,6 +313,9 @@ class Cluster:
             self._watch = None
         services = [p for p in self.procs.values() if p.service != "nats"]
         await asyncio.gather(*(p.terminate(self.stop_timeout_s) for p in services))
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
         if self.nats is not None:
             await self.nats.stop()
         if self.tmp is not None:

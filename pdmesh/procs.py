@@ -42,8 +42,9 @@ class Proc:
     """One child process: its argv, its output (last LOG_LINES lines), its fate."""
 
     def __init__(self, name: str, service: str, argv: list[str], env: dict[str, str],
-                 instance_id: str = ""):
+                 instance_id: str = "", pass_fds: tuple[int, ...] = ()):
         self.name, self.service, self.argv, self.env = name, service, argv, env
+        self.pass_fds = pass_fds       # inherited file descriptors (the gateway's socket)
         self.instance_id = instance_id
         self.lines: deque[str] = deque(maxlen=LOG_LINES)
         self.popen: subprocess.Popen | None = None
@@ -58,7 +59,7 @@ class Proc:
         self.starts += 1
         self.popen = subprocess.Popen(
             self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, start_new_session=True,
+            stderr=subprocess.STDOUT, start_new_session=True, pass_fds=self.pass_fds,
             preexec_fn=_die_with_parent(os.getpid()))
         log_file = (log_dir / f"{self.name}.log").open("a") if log_dir else None
         self._reader = threading.Thread(target=self._read, args=(self.popen, echo, log_file),

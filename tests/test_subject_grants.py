@@ -217,7 +217,7 @@ def test_the_gateway_reads_its_metrics_sources_under_auth(tmp_path):
     'permissions violation for publish to "$srv.stats.prefill"' on every scrape)."""
     import asyncio
 
-    from services.gateway.app import kvstore_stats, prefill_group_gauges
+    from services.gateway.scrape import kvstore_stats, prefill_group_gauges
 
     srv = _AuthServer(tmp_path)
 

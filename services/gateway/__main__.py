@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 
 from aiohttp import web
@@ -23,16 +24,17 @@ async def serve(cfg: GatewayConfig, spec: ModelSpec | None = None) -> None:
     await runner.setup()                       # on_startup: NATS, micro, subscriptions
     gw = app[GATEWAY]
     try:
-        site = web.TCPSite(runner, cfg.host, cfg.port, reuse_port=cfg.reuse_port or None)
+        shared = cfg.listen_fd >= 0            # the launcher's socket (handover.py)
+        site = (web.SockSite(runner, socket.socket(fileno=cfg.listen_fd)) if shared
+                else web.TCPSite(runner, cfg.host, cfg.port))
         await site.start()
         log.info("gateway listening on http://%s:%d", cfg.host, cfg.port)
         await gw.runtime.stopping.wait()       # SIGTERM / SIGINT
-        if cfg.reuse_port:      # a successor shares the port: it takes the new connections
+        if shared:              # stop accepting: a successor accepts from the same socket
             await site.stop()
-            for conn in list(runner.server.connections):
-                conn.close()    # keep-alive ones too, each after the response it is writing
+            gw.handover.begin()
         log.info("gateway draining (%d in flight)", gw.in_flight)
-        await gw.drain(refuse_new=not cfg.reuse_port)
+        await gw.drain(refuse_new=not shared)
     finally:
         await runner.cleanup()                 # stops the site; on_cleanup closes NATS
 

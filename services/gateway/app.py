@@ -20,7 +20,6 @@ from functools import lru_cache
 
 from aiohttp import web
 
-from shared import micro
 from shared.contracts.common import ErrorCode
 from shared.contracts.messages import Heartbeat
 from shared.service import ServiceRuntime
@@ -31,11 +30,13 @@ from .choices import answer_n
 from .config import GatewayConfig
 from .dispatch import ClientGone, DecodeClient
 from .grammar_check import GrammarGuard, deferred
+from .handover import Handover
 from .metrics import CONTENT_TYPE, Metrics
 from .model import ModelSpec
 from .protocol import OpenAIError, overloaded
 from .registry import Registry
 from .respond import answer
+from .scrape import KVSTORE_GAUGES, kvstore_stats, prefill_group_gauges
 from .validate import Prepared, parse_chat, parse_completion
 
 log = logging.getLogger("pdmesh.gateway")
@@ -54,6 +55,8 @@ class Gateway:
         self.client: DecodeClient | None = None
         self.in_flight = 0
         self.draining = False
+        self.handover = Handover()     # the port to a successor (pdmesh restart gateway)
+        self._drained = asyncio.Event()
         # one thread: template rendering and tokenizing stay off the event loop, and HF fast
         # tokenizers are not safe to call from several threads at once
         self._cpu = ThreadPoolExecutor(1, thread_name_prefix="gateway-tokenize")
@@ -74,7 +77,9 @@ class Gateway:
         await self.client.start()
         self.body_limit = limits.body_limit(self.cfg.max_body_bytes, self.runtime.nc.max_payload)
         self.runtime.spawn(self.grammar.warm())
-        self.runtime.spawn(self.runtime.run(heartbeat=self._heartbeat))
+        # heartbeats go on while it drains: decode would take a silent gateway for gone and
+        # abort its requests (orphans) before they finished
+        self.runtime.spawn(self.runtime.run(heartbeat=self._heartbeat, drain=self._drained.wait))
         if self.keys.enabled:
             log.info("API keys: %d configured; /v1/* needs one", len(self.keys))
         else:
@@ -84,11 +89,18 @@ class Gateway:
 
     async def drain(self, refuse_new: bool = True) -> None:
         """Refuse new requests, let in-flight ones finish for drain_grace_s, then end the
-        rest with an explicit error. refuse_new False: a successor listens on the port, and
-        a request that still arrives on a connection opened before is served, not refused
-        (each connection closes after its response)."""
+        rest with an explicit error. refuse_new False: a successor has the port, and what
+        still arrives on a connection opened before is served (handover.py)."""
+        try:
+            await self._drain(refuse_new)
+        finally:
+            self._drained.set()
+
+    async def _drain(self, refuse_new: bool) -> None:
         self.draining = refuse_new
         deadline = time.monotonic() + self.cfg.drain_grace_s
+        if self.handover.on:
+            await self.handover.settle(deadline)
         while self.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.in_flight and self.client is not None:
@@ -154,8 +166,8 @@ def create_app(cfg: GatewayConfig, spec: ModelSpec | None = None) -> web.Applica
     `spec` defaults to ModelSpec.load(cfg) (tokenizer + config.json of cfg.model)."""
     gw = Gateway(cfg, spec or ModelSpec.load(cfg))
     app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[
-        *trace.middlewares(), _errors, auth.middleware(gw.keys, cfg.open_metrics),
-        limits.body_middleware(lambda: gw.body_limit)])
+        gw.handover.middleware, *trace.middlewares(), _errors,
+        auth.middleware(gw.keys, cfg.open_metrics), limits.body_middleware(lambda: gw.body_limit)])
     app[GATEWAY] = gw
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
@@ -174,6 +186,7 @@ def create_app(cfg: GatewayConfig, spec: ModelSpec | None = None) -> web.Applica
 
     app.on_startup.append(start)
     app.on_cleanup.append(close)
+    app.on_response_prepare.append(gw.handover.on_prepare)
     return app
 
 
@@ -281,54 +294,6 @@ async def metrics(request: web.Request) -> web.Response:
                                          t["blocks_quarantined"]),
     })
     return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
-
-
-KVSTORE_GAUGES = {
-    "l2_entries": "KV blocks in kvstore host memory (L2).",
-    "l2_bytes": "Bytes in kvstore host memory (L2).",
-    "l2_hits": "Blocks served from L2.",
-    "l2_evictions": "Blocks evicted from L2 (demoted to L3).",
-    "l3_entries": "KV blocks in kvstore disk files (L3).",
-    "l3_bytes": "Bytes in kvstore disk files (L3).",
-    "l3_hits": "Blocks served from L3.",
-    "l3_evictions": "Blocks evicted from L3.",
-    "checksum_failures": "L3 blocks whose checksum failed on read (dropped, recomputed).",
-    "blocks_rejected": "Write-back blocks whose checksum failed on arrival (not indexed).",
-    "prefix_hit_rate": "Leading prefix keys found / looked up.",
-}
-
-
-GROUP_GAUGES = {   # LayerSplit, per prefill rank (labelled by instance)
-    "group_cached_blocks": "LayerSplit: prefix blocks this prefill rank holds (its layers).",
-    "group_cached_bytes": "LayerSplit: bytes of cached prefix KV this rank holds.",
-    "group_sent_bytes": "LayerSplit: layer KV this rank sent to other ranks, bytes.",
-    "group_recv_bytes": "LayerSplit: layer KV this rank received from other ranks, bytes.",
-    "group_wait_s": "LayerSplit: seconds compute waited for a remote layer.",
-    "group_transfer_s": "LayerSplit: seconds remote layers were in transfer.",
-    "group_hidden_share": "LayerSplit: share of transfer time hidden behind compute.",
-}
-
-
-async def prefill_group_gauges(nc) -> dict:
-    """LayerSplit gauges per prefill rank (none without a prefill group)."""
-    try:
-        found = await micro.stats(nc, "prefill", wait_s=0.3)
-    except Exception:  # noqa: BLE001 - no answer: no group gauges
-        return {}
-    ranks = [i for i in found if i.stats.get("group_size", 0) > 1]
-    if not ranks:
-        return {}
-    return {f"pdmesh_prefill_{k}": (h, {i.instance_id: float(i.stats.get(k, 0)) for i in ranks})
-            for k, h in GROUP_GAUGES.items()}
-
-
-async def kvstore_stats(nc) -> dict:
-    """kvstore's micro STATS data (empty when no kvstore answers quickly)."""
-    try:
-        found = await micro.service_stats(nc, "kvstore", wait_s=0.5, expect=1)
-    except Exception:  # noqa: BLE001 - no kvstore: no kvstore gauges
-        return {}
-    return found[0] if found else {}
 
 
 # ---- errors ----------------------------------------------------------------------------

@@ -34,9 +34,10 @@ class GatewayConfig:
         "off when empty (PDMESH_OTLP_ENDPOINT sets it for every service)"))
     host: str = field(default="127.0.0.1", metadata=_help("HTTP listen address"))
     port: int = field(default=8000, metadata=_help("HTTP listen port"))
-    reuse_port: bool = field(default=False, metadata=_help(
-        "listen with SO_REUSEPORT, and on SIGTERM stop listening before draining: a "
-        "successor on the same port takes the new connections (pdmesh restart gateway)"))
+    listen_fd: int = field(default=-1, metadata=_help(
+        "serve on this inherited listening socket instead of binding host:port (pdmesh up "
+        "owns the socket: connections wait in its backlog while a gateway restarts, and a "
+        "successor takes them over with none lost; -1: bind host:port)"))
     instance_id: str = field(default="", metadata=_help(
         "this gateway's id in subjects (default: generated)"))
     request_timeout_s: float = field(default=600.0, metadata=_help(
