@@ -118,7 +118,9 @@ class UpMesh:
         return pid
 
     async def back(self, name: str, old_pid: int, timeout_s: float = 60.0) -> float:
-        """Seconds until the child runs again under a new pid and the mesh is ready."""
+        """Seconds until the child runs again under a new pid and serves: a service answers
+        $SRV.PING under its instance id, a nats-server accepts connections on its port, and
+        the mesh is ready (GET /ready)."""
         import aiohttp
 
         t0 = time.monotonic()
@@ -126,11 +128,38 @@ class UpMesh:
             while True:
                 rec = self.record()
                 pid = rec["children"].get(name)
-                if pid and pid != old_pid and await _ready(http, rec["url"]):
+                if (pid and pid != old_pid and await self._serves(name, rec)
+                        and await _ready(http, rec["url"])):
                     return time.monotonic() - t0
                 if time.monotonic() - t0 > timeout_s:
                     raise TimeoutError(f"{name} not back in {timeout_s:.0f} s:\n{self.tail(30)}")
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(0.1)
+
+    async def _serves(self, name: str, rec: dict[str, Any]) -> bool:
+        from shared import micro
+        from shared.natsconn import NatsAuth
+
+        service, _, index = name.rpartition("-")
+        urls = rec["nats_url"].split(",")
+        if service == "nats" or name == "nats":      # its own port answers
+            host, port = urls[int(index) if index.isdigit() else 0].rsplit("//", 1)[1].split(":")
+            try:
+                _, w = await asyncio.wait_for(asyncio.open_connection(host, int(port)), 1.0)
+            except (OSError, asyncio.TimeoutError):
+                return False
+            w.close()
+            return True
+        try:
+            nc = await micro.connect_once(rec["nats_url"], auth=NatsAuth(
+                user=rec["nats_user"], password_file=rec["nats_password_file"],
+                tls_ca=rec.get("nats_tls_ca", "")))
+        except ConnectionError:
+            return False
+        try:
+            found = await micro.ping(nc, service, wait_s=0.2)
+        finally:
+            await nc.close()
+        return any(i.instance_id == f"{service}_{index}" for i in found)
 
     async def restart(self, service: str, timeout_s: float = 300.0) -> tuple[int, str]:
         """`pdmesh restart SERVICE`: (exit code, its output)."""
