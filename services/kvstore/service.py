@@ -33,6 +33,7 @@ from shared.contracts.kvcache import (
     KvPutAck,
 )
 from shared.contracts.messages import Health, Heartbeat
+from shared.engine.prefix import KEY_BYTES
 from shared.kv import wire
 from shared.service import ServiceError, ServiceRuntime, new_instance_id
 
@@ -44,10 +45,18 @@ LAYER = Codec(KvLayerPull)
 
 
 def _keys(hexes: list[str]) -> list[bytes]:
+    """Prefix keys as sent (hex); anything but KEY_BYTES bytes is refused: a key names a
+    file under the L3 directory, and an empty one named the directory itself (its temp file
+    then went into the directory's parent)."""
     try:
-        return [bytes.fromhex(h) for h in hexes]
-    except ValueError as e:
+        keys = [bytes.fromhex(h) for h in hexes]
+    except (ValueError, TypeError) as e:
         raise ContractError(f"bad prefix key: {e}") from e
+    bad = next((h for h, k in zip(hexes, keys) if len(k) != KEY_BYTES), None)
+    if bad is not None:
+        raise ContractError(f"bad prefix key {bad[:80]!r}: a key is {KEY_BYTES} bytes "
+                            f"({2 * KEY_BYTES} hex digits)")
+    return keys
 
 
 def make_store(cfg: KvstoreConfig) -> TieredStore:
