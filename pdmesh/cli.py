@@ -106,9 +106,7 @@ def where(nats_url: str | None):
     rec = runrecord.find()
     if rec is None:
         return "nats://127.0.0.1:4222", NatsAuth.from_env()
-    return rec["nats_url"], NatsAuth(user=rec.get("nats_user", ""),
-                                     password_file=rec.get("nats_password_file", ""),
-                                     tls_ca=rec.get("nats_tls_ca", ""))
+    return rec["nats_url"], runrecord.debug_auth(rec)
 
 
 async def _status(args) -> int:

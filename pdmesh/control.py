@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from pdmesh import runrecord
+from pdmesh.rolling import restart_service
 
 SERVICES = ("gateway", "decode", "prefill", "kvstore", "nats")
 
@@ -66,7 +67,6 @@ async def serve(cluster, path: Path) -> asyncio.AbstractServer:
             if req.get("cmd") != "restart" or req.get("service") not in SERVICES:
                 raise ValueError(f"unknown request {req!r}")
             async with lock:
-                from pdmesh.rolling import restart_service
                 await restart_service(cluster, req["service"], lambda s: send({"line": s}))
             send({"ok": True})
         except Exception as e:  # noqa: BLE001 - told to the client, the mesh keeps running

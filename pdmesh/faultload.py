@@ -88,14 +88,24 @@ class Load:
                 and r["tokens"] != refs[r["i"] % len(refs)]]
 
 
-async def metric(url: str, name: str, api_key: str = "") -> float:
-    """The sum of a Prometheus metric's samples on the gateway's /metrics."""
+async def metrics_text(url: str, api_key: str = "") -> str:
+    """The gateway's /metrics page."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     async with aiohttp.ClientSession() as http:
         async with http.get(url + "/metrics", headers=headers) as r:
-            text = await r.text()
+            return await r.text()
+
+
+def sample(text: str, name: str) -> float:
+    """The sum of the samples whose line starts with name ('pdmesh_x_total' or one series,
+    'pdmesh_x_total{reason="y"}') on a /metrics page; 0 when there is none."""
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name) and not line.startswith("#"))
+
+
+async def metric(url: str, name: str, api_key: str = "") -> float:
+    """The sum of a Prometheus metric's samples on the gateway's /metrics."""
+    return sample(await metrics_text(url, api_key), name)
 
 
 def references(engine_config, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -96,16 +96,21 @@ class UpMesh:
     def pid(self, name: str) -> int:
         return self.record()["children"][name]
 
+    async def nats(self, rec: dict[str, Any] | None = None):
+        """A NATS connection to this mesh as its read-only debug user."""
+        from shared import micro
+
+        rec = rec or self.record()
+        return await micro.connect_once(rec["nats_url"], auth=runrecord.debug_auth(rec))
+
     def gateway_name(self) -> str:
         """The gateway child's name (a rolling restart replaces gateway-0 by gateway-1)."""
         return next(n for n in self.record()["children"] if n.startswith("gateway-"))
 
     async def metrics(self) -> str:
-        import aiohttp
+        from pdmesh.faultload import metrics_text
 
-        async with aiohttp.ClientSession() as http:
-            async with http.get(self.url + "/metrics") as r:
-                return await r.text()
+        return await metrics_text(self.url)
 
     def tail(self, n: int = 40) -> str:
         return "\n".join(list(self.lines)[-n:])
@@ -137,7 +142,6 @@ class UpMesh:
 
     async def _serves(self, name: str, rec: dict[str, Any]) -> bool:
         from shared import micro
-        from shared.natsconn import NatsAuth
 
         service, _, index = name.rpartition("-")
         urls = rec["nats_url"].split(",")
@@ -150,9 +154,7 @@ class UpMesh:
             w.close()
             return True
         try:
-            nc = await micro.connect_once(rec["nats_url"], auth=NatsAuth(
-                user=rec["nats_user"], password_file=rec["nats_password_file"],
-                tls_ca=rec.get("nats_tls_ca", "")))
+            nc = await self.nats(rec)
         except ConnectionError:
             return False
         try:
@@ -163,11 +165,7 @@ class UpMesh:
 
     async def restart(self, service: str, timeout_s: float = 300.0) -> tuple[int, str]:
         """`pdmesh restart SERVICE`: (exit code, its output)."""
-        p = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "pdmesh", "restart", service, env=self.env,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-        out, _ = await asyncio.wait_for(p.communicate(), timeout_s)
-        return p.returncode, out.decode()
+        return await self.cli("restart", service, timeout_s=timeout_s)
 
     async def cli(self, *args: str, timeout_s: float = 60.0) -> tuple[int, str]:
         """Any pdmesh subcommand, as the user runs it beside this mesh."""

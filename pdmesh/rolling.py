@@ -26,7 +26,7 @@ DRAIN_S = 30.0          # a draining instance is killed after this long
 
 async def restart_service(cluster, service: str, report: Callable[[str], None]) -> None:
     """On the cluster's supervisor loop. report: one line per step."""
-    names = [n for n in cluster.names(service)]
+    names = cluster.names(service)
     if not names:
         raise ClusterError(f"no {service} instance runs in this mesh")
     if service == "nats":

@@ -56,6 +56,15 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def debug_auth(record: dict[str, Any]):
+    """How to connect to the recorded mesh: its read-only debug user (shared.natsconn)."""
+    from shared.natsconn import NatsAuth
+
+    return NatsAuth(user=record.get("nats_user", ""),
+                    password_file=record.get("nats_password_file", ""),
+                    tls_ca=record.get("nats_tls_ca", ""))
+
+
 def find(pid: int | None = None, d: Path | None = None) -> dict[str, Any] | None:
     """The record of the running mesh (pid: that one; else the newest live one), in d (default:
     run_dir())."""

@@ -9,7 +9,6 @@ decode's LM head split over two threads, --threads auto.
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -62,7 +61,7 @@ def add_up_parsers(sub, func) -> None:
          "`pdmesh up`", help="HF model folder")
     for p in (up, serve):
         add_up_flags(p)
-        p.set_defaults(func=_checked(func))
+        p.set_defaults(func=func)
 
 
 def _add(p, *names: str, help: str, shown: str | None = None, action="store", **kw) -> None:
@@ -167,19 +166,6 @@ def _positive(s: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
     return n
-
-
-def _checked(func: Callable) -> Callable:
-    """func(args), the --config file's flags filled in, once the settings are valid; else
-    one line and exit status 2 before anything starts."""
-    def run(args) -> int:
-        try:
-            cluster_kwargs(args)
-        except ValueError as e:
-            print(f"pdmesh: {e}", file=sys.stderr)
-            return 2
-        return func(args)
-    return run
 
 
 # ---- flags -> settings -------------------------------------------------------------------

@@ -22,10 +22,11 @@ from pdmesh import control, runrecord, serve_args
 def run(args) -> int:
     from pdmesh.cluster import Cluster, ClusterError
 
-    if args.model is None:
-        args.model = _default_model()
-    try:
-        cluster = Cluster(**serve_args.cluster_kwargs(args))
+    try:    # every setting checked (one line, exit 2) before anything starts
+        kwargs = serve_args.cluster_kwargs(args)
+        if kwargs["model"] is None:
+            kwargs["model"] = _default_model()
+        cluster = Cluster(**kwargs)
     except ValueError as e:
         print(f"pdmesh: {e}", file=sys.stderr)
         return 2

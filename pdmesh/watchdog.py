@@ -26,7 +26,6 @@ class Watchdog:
         self.procs, self.policy, self.emit, self.log_dir = procs, policy, emit, log_dir
         self.on_start, self.interval_s = on_start, interval_s
         self.gave_up: str | None = None          # why, once a child crash-looped
-        self.restarts = 0
         self._pending: set[asyncio.Task] = set()
 
     async def run(self) -> None:
@@ -63,7 +62,6 @@ class Watchdog:
         if not p.restarting:          # stopped or started by someone else meanwhile
             return
         p.spawn(self.emit, self.log_dir)
-        self.restarts += 1
         self.emit(f"[pdmesh] {p.name} started again (pid {p.pid})")
         if self.on_start is not None:
             self.on_start(p)

@@ -35,7 +35,6 @@ from pdmesh.faultload import Load, metric, pct, references  # noqa: E402
 from pdmesh.launched import UpMesh  # noqa: E402
 from shared import micro  # noqa: E402
 from shared.faults import ALLOW_ENV  # noqa: E402
-from shared.natsconn import NatsAuth  # noqa: E402
 from tests.conftest import CODE_PROMPTS  # noqa: E402
 
 MODEL = ROOT / "models" / "tiny-target"
@@ -64,9 +63,7 @@ def kill(name: str, when=None):
 
 async def prefill_writing(m: UpMesh) -> None:
     """Until prefill-0 has KV writes on the wire."""
-    rec = m.record()
-    nc = await micro.connect_once(rec["nats_url"], auth=NatsAuth(
-        user=rec["nats_user"], password_file=rec["nats_password_file"]))
+    nc = await m.nats()
     try:
         while True:
             mine = [i.stats for i in await micro.stats(nc, "prefill", 0.1)

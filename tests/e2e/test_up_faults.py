@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from pdmesh.faultload import Load, references
+from pdmesh.faultload import Load, references, sample as _sample
 from pdmesh.launched import UpMesh
 from shared import micro
-from shared.natsconn import NatsAuth
 from tests.conftest import TINY_TARGET
 
 MAX_TOKENS = 48
@@ -108,9 +107,7 @@ def test_sigkill_of_a_prefill_with_kv_writes_on_the_wire_costs_no_request(up, re
     m, _ = up
 
     async def fault(load: Load) -> None:
-        rec = m.record()
-        auth = NatsAuth(user=rec["nats_user"], password_file=rec["nats_password_file"])
-        nc = await micro.connect_once(rec["nats_url"], auth=auth)
+        nc = await m.nats()
         deadline = time.monotonic() + 60
         try:   # proven in flight: prefill-0 has KV writes on the wire right now
             while True:
@@ -158,11 +155,6 @@ def test_rolling_restart_under_load_costs_no_request(up, refs, tiny_prompts, ser
     check(load, refs, m)
     if service == "decode":    # drain_timeout_s=0: the streams of each drained decode moved
         assert _sample(run(up, m.metrics()), handed_on) > before
-
-
-def _sample(text: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name))
 
 
 def test_status_finds_the_mesh_with_no_flags_and_no_secret_is_shown(up):
