@@ -60,7 +60,9 @@ from pdmesh.natsgroup import NatsGroup
 from pdmesh.plan import plan
 from pdmesh.procs import Proc, Supervisor
 from pdmesh.restarts import RestartPolicy
+from pdmesh.streamkeeper import StreamKeeper
 from pdmesh.watchdog import Watchdog
+from shared.subjects import ADMIN
 
 __all__ = ["CONFIG_CLASSES", "SERVICES", "Cluster", "ClusterError", "config_class",
            "nats_server_binary"]
@@ -120,6 +122,8 @@ class Cluster:
         self.watchdog: Watchdog | None = None
         self.on_start: Callable[[Proc], None] | None = None   # a child was started again
         self._watch: asyncio.Task | None = None
+        self.keeper: StreamKeeper | None = None    # the job stream's only writer (admin)
+        self._keep: asyncio.Task | None = None
         self._sock: socket.socket | None = None    # the gateways' listening socket
         self.tmp: Path | None = None
         self._sup: Supervisor | None = None
@@ -278,6 +282,9 @@ class Cluster:
         self.nats_port = self.nats.nodes[0].port
         self.procs.update(self.nats.procs)
         await self.nats.start(self._emit, self.log_dir)
+        self.keeper = StreamKeeper(self.nats.client_options(ADMIN))
+        await self.keeper.start(self.startup_timeout_s)
+        self._keep = asyncio.ensure_future(self.keeper.run())
         for service in SERVICES:
             for _ in range(self.counts[service]):
                 self._new_proc(service).spawn(self._emit, self.log_dir)
@@ -316,6 +323,12 @@ class Cluster:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        if self._keep is not None:
+            self._keep.cancel()
+            self._keep = None
+        if self.keeper is not None:
+            await self.keeper.close()
+            self.keeper = None
         if self.nats is not None:
             await self.nats.stop()
         if self.tmp is not None:

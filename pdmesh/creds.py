@@ -25,7 +25,7 @@ from pdmesh.natsconf import COMPOSE_NODES, COMPOSE_PORTS, Tls
 from shared import subjects
 from shared.natsconn import NatsAuth
 
-USERS = (*subjects.IDENTITIES, subjects.DEBUG)
+USERS = (*subjects.IDENTITIES, subjects.DEBUG, subjects.ADMIN)
 ROUTE_USER = "route"
 RESPONSES = "allow_responses: {max: 1, expires: \"5m\"}"   # one reply per request received
 
@@ -39,7 +39,7 @@ def user_block(user: str, password: str) -> str:
     perms = subjects.permissions(user)
     pub = ", ".join(_q(s) for s in perms["publish"])
     sub = ", ".join(_q(s) for s in perms["subscribe"])
-    responses = "" if user == subjects.DEBUG else f"\n      {RESPONSES}"
+    responses = "" if user in (subjects.DEBUG, subjects.ADMIN) else f"\n      {RESPONSES}"
     return (f"    {{user: {_q(user)}, password: {_q(password)}, permissions: {{\n"
             f"      publish: {{allow: [{pub}]}}\n"
             f"      subscribe: {{allow: [{sub}]}}{responses}\n"
@@ -165,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rotate", action="store_true", help="new passwords for every user")
     args = ap.parse_args(argv)
     s = write_compose(Path(args.out), args.rotate)
-    print(f"NATS credentials in {s.dir}/ (users: {', '.join(USERS)}; debug is read-only)")
+    print(f"NATS credentials in {s.dir}/ (users: {', '.join(USERS)}; debug is read-only, "
+          "admin provisions the job stream)")
     return 0
 
 

@@ -1,6 +1,7 @@
 """Container health check: python -m pdmesh.healthcheck <service>  (exit 0 healthy, 1 not).
 
 gateway: GET http://127.0.0.1:$PDMESH_PORT/health must answer 200.
+jobstream: the job stream exists with exactly its configuration (pdmesh.streamkeeper).
 others:  a Health request on the service's own subject, health(<service>, <instance>),
          must answer ok. The instance id is --instance-id, else $PDMESH_INSTANCE_ID,
          else found by $SRV.PING: generated ids are `<service>_<hostname>_<random>`
@@ -63,10 +64,28 @@ async def check_nats(service: str, nats_url: str, instance_id: str | None,
         await nc.close()
 
 
+async def check_stream(nats_url: str, timeout_s: float) -> str | None:
+    from shared import jobstream, micro
+
+    try:
+        nc = await micro.connect_once(nats_url, timeout_s)
+    except ConnectionError as e:
+        return str(e)
+    try:
+        info = await nc.jetstream(timeout=timeout_s).stream_info(subjects.PREFILL_STREAM)
+        changed = jobstream.drift(info.config, jobstream.stream_config(
+            info.config.num_replicas or 1))
+        return f"job stream differs in {', '.join(changed)}" if changed else None
+    except Exception as e:  # noqa: BLE001 - missing, no JetStream
+        return f"job stream: {e!r}"
+    finally:
+        await nc.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pdmesh.healthcheck",
                                  description=__doc__.split("\n")[0])
-    ap.add_argument("service", choices=SERVICES)
+    ap.add_argument("service", choices=(*SERVICES, "jobstream"))
     ap.add_argument("--nats-url", default=os.environ.get("PDMESH_NATS_URL", "nats://127.0.0.1:4222"))
     ap.add_argument("--instance-id", default=os.environ.get("PDMESH_INSTANCE_ID") or None)
     ap.add_argument("--port", type=int, default=int(os.environ.get("PDMESH_PORT", "8000")),
@@ -75,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.service == "gateway":
         why = check_http(args.port, args.timeout)
+    elif args.service == "jobstream":
+        why = asyncio.run(check_stream(args.nats_url, args.timeout))
     else:
         why = asyncio.run(check_nats(args.service, args.nats_url, args.instance_id, args.timeout))
     if why:

@@ -5,10 +5,11 @@ dies (stops acking) is redelivered to another worker instead of being lost.
   --nats-cluster 3`, compose), one otherwise; a node can die without losing a job.
 - Bounded: at most MAX_MSGS jobs, MAX_BYTES bytes, MAX_MSG_SIZE per job; a full queue
   refuses new jobs (discard new) instead of silently dropping queued ones.
-- Self-healing: `publish_job` re-creates the stream when a publish finds no stream (its
-  store was lost, or it was deleted) and retries, deduplicated by a message id so a retry
-  after a lost ack never queues a job twice; `JobPuller.fetch` re-creates a lost stream or
-  consumer under a prefill worker.
+- Provisioned, not made by the services: the stream belongs to the admin identity
+  (shared/jobstream.py, kept by pdmesh/streamkeeper.py), which re-creates it within
+  seconds when its store is lost; `publish_job` keeps trying meanwhile, deduplicated by a
+  message id so a retry after a lost ack never queues a job twice; `JobPuller.fetch`
+  re-creates a lost consumer under a prefill worker (prefill owns its durable consumer).
 
     ack = await publish_job(js, encode(job))                      # decode
     puller = await pull_subscription(js, ack_wait_s, max_deliver, max_jobs)   # prefill
@@ -23,85 +24,17 @@ import uuid
 
 import nats.errors
 from nats.js import JetStreamContext
-from nats.js.api import (
-    AckPolicy,
-    ConsumerConfig,
-    DiscardPolicy,
-    PubAck,
-    RetentionPolicy,
-    StorageType,
-    StreamConfig,
-)
+from nats.js.api import AckPolicy, ConsumerConfig, PubAck
 from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
 
 from shared import subjects
+from shared.jobstream import wait_stream
 
 log = logging.getLogger("pdmesh.jobqueue")
 
-MAX_MSGS = 100_000               # jobs queued at most
-MAX_BYTES = 1 << 30              # bytes queued at most (per replica)
-MAX_MSG_SIZE = 8 << 20           # one job; equals the servers' max_payload
-MAX_AGE_S = 600.0                # a job nobody took in 10 minutes is dropped
-CLUSTER_REPLICAS = 3
 PUBLISH_RETRY_S = 20.0           # publish_job keeps trying this long (leader elections)
 REPAIR_EVERY_S = 1.0             # JobPuller: at most one repair per second
 CHECK_IDLE_S = 5.0               # JobPuller: idle this long -> check the consumer is there
-
-
-def stream_config(replicas: int = 1) -> StreamConfig:
-    return StreamConfig(name=subjects.PREFILL_STREAM, subjects=[subjects.prefill_jobs()],
-                        retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.FILE,
-                        max_age=MAX_AGE_S, max_msgs=MAX_MSGS, max_bytes=MAX_BYTES,
-                        max_msg_size=MAX_MSG_SIZE, discard=DiscardPolicy.NEW,
-                        num_replicas=replicas, duplicate_window=120.0)
-
-
-def clustered(js: JetStreamContext) -> bool:
-    """Whether the server this connection is on belongs to a cluster (its INFO says so)."""
-    info = getattr(js._nc, "_server_info", None) or {}
-    return bool(info.get("cluster"))
-
-
-async def ensure_stream(js: JetStreamContext, replicas: int | None = None,
-                        wait_s: float = 30.0) -> int:
-    """Create the stream if it is missing, or bring an existing one to this config (never
-    to fewer replicas than it has); returns its replicas. replicas None: three on a
-    cluster, else one. While JetStream is not ready (no leader yet, a cluster gathering
-    its peers, a leader election after a node died) keep trying for wait_s, then raise."""
-    want = replicas or (CLUSTER_REPLICAS if clustered(js) else 1)
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            return await _put_stream(js, want)
-        except Exception as e:
-            if not _transient(e) or time.monotonic() > deadline:
-                raise
-            log.info("job stream not ready (%r); retrying", e)
-        await asyncio.sleep(0.5)
-
-
-async def _put_stream(js: JetStreamContext, want: int) -> int:
-    try:
-        info = await js.stream_info(subjects.PREFILL_STREAM)
-    except NotFoundError:
-        await js.add_stream(stream_config(want))
-        return want
-    have = info.config
-    r = max(want, have.num_replicas or 1)
-    cfg = stream_config(r)
-    if (have.num_replicas or 1, have.max_msgs, have.max_bytes, have.max_msg_size,
-            have.discard) != (r, cfg.max_msgs, cfg.max_bytes, cfg.max_msg_size, cfg.discard):
-        await js.update_stream(cfg)
-    return r
-
-
-def _transient(e: Exception) -> bool:
-    """JetStream not ready or not reachable right now (worth trying again)."""
-    if isinstance(e, APIError):
-        return e.code == 503 or e.err_code == 10023   # unavailable, no resources yet
-    return isinstance(e, (nats.errors.TimeoutError, asyncio.TimeoutError,
-                          nats.errors.NoRespondersError, NoStreamResponseError,
-                          nats.errors.ConnectionReconnectingError))
 
 
 def consumer_config(ack_wait_s: float, max_deliver: int, max_ack_pending: int) -> ConsumerConfig:
@@ -112,7 +45,7 @@ def consumer_config(ack_wait_s: float, max_deliver: int, max_ack_pending: int) -
 
 async def publish_job(js: JetStreamContext, data: bytes, *, timeout: float = 5.0,
                       retry_s: float = PUBLISH_RETRY_S, msg_id: str | None = None) -> PubAck:
-    """Queue one prefill job. No stream (store lost): re-create it and publish again;
+    """Queue one prefill job. No stream (its store was lost: the admin re-creates it) or
     no answer (a node died, a leader election): publish again. Every try carries the same
     Nats-Msg-Id, so the stream keeps one copy however many tries reached it. Raises the
     last error after retry_s; a full queue (a limit hit) raises at once."""
@@ -125,8 +58,7 @@ async def publish_job(js: JetStreamContext, data: bytes, *, timeout: float = 5.0
         except (NoStreamResponseError, NotFoundError, nats.errors.NoRespondersError) as e:
             if time.monotonic() > deadline:
                 raise
-            log.warning("no job stream answered (%s): checking it", type(e).__name__)
-            await _try(ensure_stream(js, wait_s=2.0))
+            log.warning("no job stream answered (%s): trying again", type(e).__name__)
         except (nats.errors.TimeoutError, asyncio.TimeoutError,
                 nats.errors.ConnectionReconnectingError, nats.errors.ConnectionClosedError):
             if time.monotonic() > deadline:
@@ -137,17 +69,11 @@ async def publish_job(js: JetStreamContext, data: bytes, *, timeout: float = 5.0
         await asyncio.sleep(0.2)
 
 
-async def _try(coro) -> None:
-    try:
-        await coro
-    except Exception as e:  # noqa: BLE001 - the caller retries
-        log.debug("job stream repair failed: %r", e)
-
-
 class JobPuller:
     """A pull subscription on the job queue that repairs itself: a fetch that fails for
-    anything but "no job yet", or a long idle spell, checks the stream and the durable
-    consumer and re-creates whatever is missing. fetch/unsubscribe as nats-py's."""
+    anything but "no job yet", or a long idle spell, checks the durable consumer and
+    re-creates it when it is missing (once the admin has the stream back).
+    fetch/unsubscribe as nats-py's."""
 
     def __init__(self, js: JetStreamContext, sub, consumer: ConsumerConfig):
         self.js, self.sub, self.consumer = js, sub, consumer
@@ -170,7 +96,7 @@ class JobPuller:
         return msgs
 
     async def repair(self, check: bool = False) -> bool:
-        """Re-create the stream and the consumer if missing; True when it did."""
+        """Re-create the consumer if it is missing; True when it did."""
         now = time.monotonic()
         if now - self._last_repair < REPAIR_EVERY_S:
             return False
@@ -186,13 +112,13 @@ class JobPuller:
             log.debug("consumer check failed: %r", e)
             return False
         try:
-            await ensure_stream(self.js, wait_s=2.0)
+            await wait_stream(self.js, wait_s=2.0)
             await self.js.add_consumer(subjects.PREFILL_STREAM, self.consumer, timeout=2.0)
         except Exception as e:  # noqa: BLE001 - try again on the next failure
             log.debug("job queue repair failed: %r", e)
             return False
         self.repairs += 1
-        log.warning("job queue: stream/consumer re-created")
+        log.warning("job queue: consumer re-created")
         return True
 
     async def unsubscribe(self) -> None:
@@ -212,7 +138,7 @@ async def keep_in_progress(msg, every_s: float) -> None:
 
 async def pull_subscription(js: JetStreamContext, ack_wait_s: float, max_deliver: int,
                             max_ack_pending: int) -> JobPuller:
-    await ensure_stream(js)
+    await wait_stream(js)
     consumer = consumer_config(ack_wait_s, max_deliver, max_ack_pending * 64)
     sub = await js.pull_subscribe(subjects.prefill_jobs(), durable=subjects.PREFILL_CONSUMER,
                                   stream=subjects.PREFILL_STREAM, config=consumer)

@@ -128,6 +128,7 @@ ANY = "*"                   # any instance id in a pattern
 TOOLS = ("bench_raw",)      # subjects only pdmesh's own tools use (no service is granted them)
 IDENTITIES = ("gateway", "decode", "prefill", "kvstore")
 DEBUG = "debug"             # read-only: sees every message, can ask PING/INFO/STATS/health
+ADMIN = "admin"             # provisions the job stream, nothing else (shared/jobstream.py)
 _PROBE = "any_instance_probe"
 
 
@@ -187,8 +188,9 @@ def _js(*tokens: str) -> str:                        # JetStream API subjects
     return ".".join(("$JS.API", *tokens))
 
 
-def _stream_admin() -> list[str]:    # ensure_stream: look at, create, update the job stream
-    return [_js("STREAM", verb, PREFILL_STREAM) for verb in ("INFO", "CREATE", "UPDATE")]
+def _stream_admin() -> list[str]:    # jobstream.ensure_stream: make, repair, re-make the stream
+    return [_js("STREAM", verb, PREFILL_STREAM)
+            for verb in ("INFO", "CREATE", "UPDATE", "DELETE")]
 
 
 def _consumer() -> list[str]:        # the prefill workers' durable pull consumer
@@ -211,9 +213,11 @@ def control(identity: str) -> tuple[list[str], list[str]]:
         return ([_srv(">"), _js("INFO"), _js("STREAM", "INFO", ANY), _js("STREAM", "NAMES"),
                  _js("STREAM", "LIST"), _js("CONSUMER", "INFO", ANY, ANY),
                  _js("CONSUMER", "NAMES", ANY), _js("CONSUMER", "LIST", ANY)], [">"])
+    if identity == ADMIN:   # no service may change the stream (a `republish` rule, a seal)
+        return [_js("INFO"), *_stream_admin()], [f"_INBOX.{identity}.>"]
+    stream_info = [_js("STREAM", "INFO", PREFILL_STREAM)]      # jobstream.wait_stream
     pub = [_srv("PING", identity)]            # its container's health check finds it
-    pub += {"decode": _stream_admin(), "prefill": _stream_admin() + _consumer()
-            }.get(identity, [])
+    pub += {"decode": stream_info, "prefill": stream_info + _consumer()}.get(identity, [])
     pub += [_srv(verb, service) for verb, service in SRV_REQUESTS.get(identity, ())]
     sub = [_srv(ANY), _srv(ANY, identity), f"{_srv(ANY, identity)}.{ANY}",   # micro serves
            f"_INBOX.{identity}.>"]

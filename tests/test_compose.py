@@ -34,7 +34,20 @@ def compose() -> dict:
 
 
 def test_compose_runs_nats_and_every_service(compose):
-    assert set(compose["services"]) == {*COMPOSE_NODES, *SERVICES}
+    assert set(compose["services"]) == {*COMPOSE_NODES, *SERVICES, "jobstream"}
+
+
+def test_the_job_stream_is_provisioned_by_the_admin_alone(compose):
+    """The keeper container connects as the admin user (no service may write the stream's
+    config: tests/test_job_stream.py) and every service that uses the stream waits for it."""
+    keeper = compose["services"]["jobstream"]
+    assert keeper["command"] == ["python", "-m", "pdmesh.streamkeeper"]
+    assert importlib.util.find_spec("pdmesh.streamkeeper") is not None
+    assert keeper["environment"]["PDMESH_NATS_USER"] == "admin"
+    assert keeper["secrets"] == [{"source": "admin_nats_password", "target": "nats_password"}]
+    assert compose["secrets"]["admin_nats_password"]["file"].endswith("/admin.password")
+    for name in ("prefill", "decode"):
+        assert "jobstream" in compose["services"][name]["depends_on"], name
 
 
 @pytest.mark.parametrize("service", SERVICES)
@@ -120,7 +133,7 @@ def test_nats_is_a_three_node_jetstream_cluster_with_8mb_payload(compose, tmp_pa
 
 
 def test_every_service_is_given_every_nats_server(compose):
-    for name in SERVICES:
+    for name in (*SERVICES, "jobstream"):
         url = compose["services"][name]["environment"]["PDMESH_NATS_URL"]
         assert url.split(",") == [f"nats://{n}:4222" for n in COMPOSE_NODES], name
 

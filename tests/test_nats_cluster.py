@@ -11,7 +11,7 @@ import nats
 import pytest
 
 from pdmesh.cluster import Cluster
-from shared import jobqueue, micro, subjects
+from shared import jobqueue, jobstream, micro, subjects
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -55,13 +55,13 @@ async def test_three_nodes_replicate_the_job_queue_and_survive_a_node():
         nc = await nats.connect(servers=c.nats_servers)
         js = nc.jetstream()
         assert nc.max_payload == 8 << 20
-        assert await jobqueue.ensure_stream(js) == 3
+        assert await jobstream.ensure_stream(js) == 3
         info = await js.stream_info(subjects.PREFILL_STREAM)
         assert info.config.num_replicas == 3
         assert info.cluster.leader and len(info.cluster.replicas) == 2     # + the leader
         cfg = info.config
         assert (cfg.max_msgs, cfg.max_bytes, cfg.max_msg_size) == (
-            jobqueue.MAX_MSGS, jobqueue.MAX_BYTES, jobqueue.MAX_MSG_SIZE)
+            jobstream.MAX_MSGS, jobstream.MAX_BYTES, jobstream.MAX_MSG_SIZE)
         assert cfg.discard == "new"          # a full queue refuses, never drops jobs
         puller = await jobqueue.pull_subscription(js, 10.0, 5, 4)
         await jobqueue.publish_job(js, b"before")
@@ -94,22 +94,22 @@ async def test_job_stream_is_recreated_when_its_store_is_lost():
         nc = await nats.connect(c.nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
         js = nc.jetstream()
         puller = await jobqueue.pull_subscription(js, 10.0, 5, 4)
-        assert await jobqueue.ensure_stream(js) == 1
+        assert await jobstream.ensure_stream(js) == 1
         await c.arestart_nats(down_s=0.2, wipe_store=True)     # the disk is gone
 
         async def stream_gone():
             try:
                 await js.stream_info(subjects.PREFILL_STREAM)
-            except jobqueue.NotFoundError:
+            except jobstream.NotFoundError:
                 return True
             except Exception:  # noqa: BLE001 - still reconnecting
                 return False
             return False
         await _until(stream_gone)
-        ack = await jobqueue.publish_job(js, b"job")        # re-creates the stream
+        ack = await jobqueue.publish_job(js, b"job")   # waits: the keeper re-creates it
         assert ack.stream == subjects.PREFILL_STREAM
         assert await _fetch_all(puller, 1) == [b"job"]       # and the puller its consumer
-        assert puller.repairs >= 1
+        assert puller.repairs >= 1 and c.keeper.repairs >= 1
         await nc.close()
 
 
@@ -118,7 +118,7 @@ async def test_publish_retries_are_deduplicated():
                        nats_auth=False) as c:    # one client plays decode and prefill
         nc = await nats.connect(c.nats_url)
         js = nc.jetstream()
-        await jobqueue.ensure_stream(js)
+        await jobstream.ensure_stream(js)
         first = await jobqueue.publish_job(js, b"x", msg_id="job-1")
         again = await jobqueue.publish_job(js, b"x", msg_id="job-1")   # a retry after a lost ack
         assert again.duplicate and again.seq == first.seq

@@ -13,7 +13,7 @@ import nats
 import pytest
 
 from pdmesh.cluster import Cluster
-from shared import jobqueue, micro, subjects
+from shared import jobstream, micro, subjects
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(120)
@@ -56,8 +56,9 @@ async def test_tls_cluster_with_users_serves_and_turns_strangers_away():
         assert await _refused(**{k: v for k, v in opts.items()
                                  if k not in ("user", "password")})            # no user
 
-        prefill = await nats.connect(**c.client_options("prefill"))   # may create the stream
-        assert await jobqueue.ensure_stream(prefill.jetstream()) == 3    # routes are up
+        prefill = await nats.connect(**c.client_options("prefill"))
+        admin = await nats.connect(**c.client_options(subjects.ADMIN))  # the keeper's user
+        assert await jobstream.ensure_stream(admin.jetstream()) == 3    # routes are up
         errors: list[str] = []
 
         async def on_error(e) -> None:
@@ -70,7 +71,7 @@ async def test_tls_cluster_with_users_serves_and_turns_strangers_away():
         await micro.ping(debug)
         assert any("permissions violation for publish" in e.lower() for e in errors), errors
         assert (await prefill.jetstream().stream_info(subjects.PREFILL_STREAM)).state.messages == 0
-        for n in (nc, prefill, debug):
+        for n in (nc, prefill, debug, admin):
             await n.close()
 
         # the container health check connects as the service's own user (compose)

@@ -14,6 +14,7 @@ import pytest
 from pdmesh.cluster import nats_server_binary
 from pdmesh.creds import USERS, Secrets, auth_conf
 from shared import subjects as S
+from tests.authserver import AuthServer
 
 ROOT = Path(__file__).resolve().parents[1]
 # functions of shared/subjects.py that build no subject of their own (request_event builds
@@ -71,6 +72,12 @@ def test_grants_are_least_privilege():
         others = [S.heartbeat(o) for o in S.IDENTITIES if o != user]
         assert not set(others) & set(perms["publish"]), user    # no forged heartbeats
         assert not any("DELETE" in s or "PURGE" in s for s in perms["publish"]), user
+        stream_writes = ("STREAM.CREATE", "STREAM.UPDATE", "STREAM.DELETE", "STREAM.PURGE")
+        assert not any(w in s for s in perms["publish"] for w in stream_writes), user
+    admin = S.permissions(S.ADMIN)        # the job stream's keeper: that stream, nothing else
+    assert all(s == "$JS.API.INFO" or s.endswith(f".{S.PREFILL_STREAM}")
+               for s in admin["publish"]), admin
+    assert admin["subscribe"] == [f"_INBOX.{S.ADMIN}.>"]
     debug = S.permissions(S.DEBUG)
     assert debug["subscribe"] == [">"]
     assert all(s.startswith(("$SRV.", "$JS.API.")) or "health" in s.split(".")
@@ -141,57 +148,20 @@ def test_every_srv_request_a_service_makes_is_granted_to_it():
     assert seen >= 2, "found no micro calls in services/: the scan is broken"
 
 
-class _AuthServer:
-    """A real nats-server (JetStream on) with the generated users and permissions; each
-    connection records the permission violations the server reports to it."""
-
-    def __init__(self, tmp_path):
-        from pdmesh.cluster import free_port
-
-        self.secrets = Secrets.create(tmp_path / "creds")
-        self.port = free_port()
-        conf = tmp_path / "n.conf"
-        conf.write_text(f"listen: 127.0.0.1:{self.port}\ninclude \"creds/auth.conf\"\n"
-                        f"jetstream {{ store_dir: \"{tmp_path / 'js'}\" }}\n")
-        self.proc = subprocess.Popen([nats_server_binary(), "-c", str(conf)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.violations: list[str] = []
-
-    async def connect(self, user: str):
-        import asyncio
-
-        import nats
-
-        async def on_error(e) -> None:
-            if "ermission" in str(e):
-                self.violations.append(f"{user}: {e}")
-        for _ in range(100):
-            try:
-                return await nats.connect(f"nats://127.0.0.1:{self.port}", error_cb=on_error,
-                                          **self.secrets.auth(user).options(),
-                                          connect_timeout=1, allow_reconnect=False)
-            except Exception:  # noqa: BLE001 - server starting
-                await asyncio.sleep(0.1)
-        raise RuntimeError("nats-server did not start")
-
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
-
-
 def test_the_job_queue_s_jetstream_requests_are_granted(tmp_path):
     """Every $JS.API request the job queue makes, as the service that makes it, against a
-    real server with the generated permissions: decode makes the stream and queues a job,
+    real server with the generated permissions: the admin makes the stream, decode queues a job,
     prefill makes its durable consumer, pulls the job, marks it in progress and acks it."""
     import asyncio
 
-    from shared import jobqueue
+    from shared import jobqueue, jobstream
 
-    srv = _AuthServer(tmp_path)
+    srv = AuthServer(tmp_path)
 
     async def go() -> bytes:
         dec, pre = await srv.connect("decode"), await srv.connect("prefill")
-        await jobqueue.ensure_stream(dec.jetstream())
+        admin = await srv.connect(S.ADMIN)
+        await jobstream.ensure_stream(admin.jetstream())          # pdmesh up's keeper
         await jobqueue.publish_job(dec.jetstream(), b"job-1", msg_id="job-1")
         puller = await jobqueue.pull_subscription(pre.jetstream(), 10.0, 5, 4)
         (msg,) = await puller.fetch(1, timeout=5)
@@ -201,8 +171,8 @@ def test_the_job_queue_s_jetstream_requests_are_granted(tmp_path):
         await dec.flush()
         await pre.flush()
         await asyncio.sleep(0.2)      # a violation comes back as an async -ERR
-        await dec.close()
-        await pre.close()
+        for nc in (dec, pre, admin):
+            await nc.close()
         return msg.data
     try:
         assert asyncio.run(go()) == b"job-1"
@@ -219,7 +189,7 @@ def test_the_gateway_reads_its_metrics_sources_under_auth(tmp_path):
 
     from services.gateway.scrape import kvstore_stats, prefill_group_gauges
 
-    srv = _AuthServer(tmp_path)
+    srv = AuthServer(tmp_path)
 
     async def scrape() -> None:
         nc = await srv.connect("gateway")

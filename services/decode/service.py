@@ -40,7 +40,7 @@ from shared.engine.engine import LLMEngine
 from shared.engine.grammar import ReplayError
 from shared.engine_loop import run_engine_loop
 from shared.faults import require_allowed
-from shared.jobqueue import ensure_stream
+from shared.jobstream import wait_stream
 from shared.kv.nats_transport import NatsKvTransport
 from shared.kv.shm import host_id
 from shared.kv.writeback import WriteBack
@@ -113,7 +113,7 @@ class DecodeService:
         await self.rt.start()
         nc = self.rt.nc
         js = nc.jetstream()
-        await ensure_stream(js)
+        await wait_stream(js)                    # the admin provisions it
         self.connect(NatsDecodePeers(nc, js))
         self.kvc = KvstoreClient(nc, self.cfg.kvstore_timeout_s)
         if self.cfg.kvstore:

@@ -24,6 +24,8 @@ from .helpers import complete
 pytestmark = pytest.mark.timeout(300)
 MARK = b"ATTACK"
 JS_DELETE = f"$JS.API.STREAM.DELETE.{S.PREFILL_STREAM}"
+JS_UPDATE = f"$JS.API.STREAM.UPDATE.{S.PREFILL_STREAM}"     # republish rules, a seal
+JS_CREATE = f"$JS.API.STREAM.CREATE.{S.PREFILL_STREAM}"
 JS_PULL = f"$JS.API.CONSUMER.MSG.NEXT.{S.PREFILL_STREAM}.{S.PREFILL_CONSUMER}"
 # what is attacked -> the only users allowed to publish it
 ATTACKS = {
@@ -37,7 +39,8 @@ ATTACKS = {
     S.prefill_jobs(): {"decode"},
     S.prefill_reclaim("prefill_0"): {"decode"},
     **{S.heartbeat(s): {s} for s in S.IDENTITIES},     # forged load reports
-    JS_DELETE: set(), JS_PULL: {"prefill"},
+    JS_DELETE: set(), JS_UPDATE: set(), JS_CREATE: set(),   # the admin's alone
+    JS_PULL: {"prefill"},
 }
 # reading what is not yours: the other services' traffic, their replies, everything
 SNOOPS = {

@@ -2,6 +2,7 @@
 nats-server on a free port."""
 from __future__ import annotations
 
+import asyncio
 import shutil
 import socket
 import subprocess
@@ -42,6 +43,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+async def _provision(url: str) -> None:
+    """The job stream, as pdmesh up's keeper makes it (services only wait for it)."""
+    from pdmesh.streamkeeper import StreamKeeper
+
+    keeper = StreamKeeper({"servers": [url]})
+    await keeper.start()
+    await keeper.close()
+
+
 @pytest.fixture(scope="module")
 def nats_url(tmp_path_factory):
     binary = Path(sys.executable).parent / "nats-server"
@@ -62,7 +72,9 @@ def nats_url(tmp_path_factory):
                 proc.kill()
                 raise RuntimeError("nats-server did not start")
             time.sleep(0.05)
-    yield f"nats://127.0.0.1:{port}"
+    url = f"nats://127.0.0.1:{port}"
+    asyncio.run(_provision(url))
+    yield url
     proc.terminate()
     try:
         proc.wait(5)
