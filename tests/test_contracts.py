@@ -37,7 +37,7 @@ def test_prefill_job_roundtrip_keeps_every_field():
 
 def test_kv_write_headers_roundtrip():
     w = KvWrite(request_id="r", epochs=[1, 2], block_ids=[3, 4], layer_start=0, layer_end=6,
-                dtype="bfloat16", shape=[6, 2, 2, 16, 2, 32], checksum=123, seq=0, sender="p")
+                dtype="bfloat16", shape=[6, 2, 2, 16, 2, 32], seq=0, sender="p", digest="ab" * 16)
     h = w.headers()
     assert all(isinstance(v, str) for v in h.values())
     assert KvWrite.from_headers(h) == w

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 import torch
 
@@ -31,9 +32,12 @@ def pool(seed=0):
 
 def write(kv, blocks, dest_blocks, seq=0, corrupt=False):
     payload, shape = wire.pack(kv, blocks, 0, L)
-    meta = KvWrite(request_id="r1", epochs=[1] * len(blocks), block_ids=dest_blocks,
-                   layer_start=0, layer_end=L, dtype="float32", shape=shape,
-                   checksum=wire.write_checksum(payload) ^ corrupt, seq=seq, sender="p0", attempt="a1")
+    meta = wire.signed(KvWrite(request_id="r1", epochs=[1] * len(blocks), block_ids=dest_blocks,
+                               layer_start=0, layer_end=L, dtype="float32", shape=shape,
+                               seq=seq, sender="p0", attempt="a1"), payload)
+    if corrupt:
+        meta = msgspec.structs.replace(meta, digest=("0" if meta.digest[0] != "0" else "1")
+                                       + meta.digest[1:])
     return meta, payload
 
 
@@ -86,12 +90,12 @@ async def test_refusal_reaches_the_sender_as_service_error():
     assert e.value.reply.code is ErrorCode.INVALID_REQUEST and e.value.reply.request_id == "r1"
 
 
-async def test_checksum_mismatch_never_reaches_the_listener():
+async def test_digest_mismatch_never_reaches_the_listener():
     tx, dec = InMemoryKvTransport(), Decode()
     await tx.listen("d0", dec.on_write)
     with pytest.raises(ServiceError) as e:
         await tx.send("d0", *write(pool(), [1], [1], corrupt=True))
-    assert e.value.reply.code is ErrorCode.BAD_MESSAGE and "checksum" in str(e.value)
+    assert e.value.reply.code is ErrorCode.BAD_MESSAGE and "digest" in str(e.value)
     assert dec.writes == [] and dec.max_active == 0
 
 

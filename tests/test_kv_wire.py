@@ -158,3 +158,35 @@ def test_kvstore_side_does_not_load_torch():
     code = ("import sys, services.kvstore.service, shared.kv.wire; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_the_write_digest_covers_every_header_field_and_every_byte():
+    """KvWrite.digest binds the payload to its header: moving the bytes to other blocks,
+    epochs, layers, another request or attempt, or changing the PrefillDone a write
+    carries, changes it, and so does any change of the bytes, including the two opposite
+    sign-bit flips that cancelled out in the linear checksum it replaced."""
+    import msgspec
+
+    from shared.contracts.kv import KvWrite
+    from shared.contracts.messages import PrefillDone, PrefillStatus
+
+    payload = bytearray(torch.randn(1024, generator=torch.Generator().manual_seed(0))
+                        .numpy().tobytes())
+    meta = KvWrite(request_id="r", epochs=[11, 12], block_ids=[3, 4], layer_start=0,
+                   layer_end=2, dtype="float32", shape=[2, 2, 2, 16, 2, 2], seq=0,
+                   sender="p", attempt="a")
+    base = wire.write_digest(meta, payload)
+    assert len(base) == 32 and wire.signed(meta, payload).digest == base
+    done = PrefillDone(request_id="r", prefill_instance="p", status=PrefillStatus.OK,
+                       first_token=7, writes_issued=1)
+    for change in ({"request_id": "s"}, {"epochs": [11, 13]}, {"block_ids": [4, 3]},
+                   {"layer_start": 1}, {"layer_end": 1}, {"shape": [2, 2, 2, 16, 1, 4]},
+                   {"seq": 1}, {"sender": "q"}, {"attempt": "b"}, {"dtype": "bfloat16"},
+                   {"done": done}):
+        assert wire.write_digest(msgspec.structs.replace(meta, **change), payload) != base, change
+    assert wire.write_digest(msgspec.structs.replace(meta, digest="x"), payload) == base
+    flipped = bytearray(payload)
+    flipped[7] ^= 0x80           # the sign bit of the first 8-byte word
+    flipped[15] ^= 0x80          # and of the second: a linear sum mod 2^64 is unchanged
+    assert wire.write_digest(meta, flipped) != base
+    assert wire.write_digest(meta, payload[:-1]) != base

@@ -49,9 +49,9 @@ def enabled() -> bool:
 
 def load():
     """The compiled module (quant_rows, dequant_rows, paged_decode, slots_decode,
-    kv_gather, kv_scatter, word_dot), or None
+    kv_gather, kv_scatter), or None
     (off, or the build failed: logged once). Built or loaded once per process, whichever
-    thread asks first (the engine's step thread, the KV wire's checksum workers)."""
+    thread asks first (the engine's step thread, the KV wire's workers)."""
     if "mod" not in _cache:
         with _lock:
             if "mod" not in _cache:

@@ -1,13 +1,11 @@
-// The KV wire's copies and checksum in one pass each (shared/kv/wire.py): torch's
+// The KV wire's copies in one pass each (shared/kv/wire.py): torch's
 // index_copy_ scatters a 192 KiB write in ~60 us and a 7 MiB one in ~1.9 ms where these
 // row memcpys take ~10 us and ~0.3 ms; a gather skips index_select's tensor setup.
 //
 // A pool kv [L, 2, NB, BS, Hkv, D] (contiguous, CPU) is rows of E = BS*Hkv*D elements:
 // row (l*2 + k)*NB + b is layer l's K (k=0) or V (k=1) of block b. A write's payload
 // [l1-l0, 2, n, BS, Hkv, D] is the rows ((l-l0)*2 + k)*n + i <- pool row (l*2+k)*NB + ids[i].
-//
-// word_dot: sum of the buffer's first n 8-byte words times weights[0..n), mod 2^64 (the
-// same value as numpy's uint64 dot, which write_checksum used before).
+
 #include <torch/extension.h>
 #include <cstdint>
 #include <cstring>
@@ -76,29 +74,3 @@ void kv_scatter(torch::Tensor& kv, const std::vector<int64_t>& ids, int64_t l0, 
   each_row(r, ids, l0, l1, [&](char* dst, int64_t j) { std::memcpy(dst, s + j * r.row, r.row); });
 }
 
-uint64_t word_dot(py::buffer data, py::buffer weights, int64_t n) {
-  py::buffer_info a = data.request(false), w = weights.request(false);
-  const int64_t a_words = flat_bytes(a, "word_dot") / 8, w_words = flat_bytes(w, "word_dot") / 8;
-  TORCH_CHECK(w.itemsize == 8, "word_dot: the weights are not 8-byte words");
-  TORCH_CHECK(n >= 0 && n <= a_words && n <= w_words, "word_dot: fewer than n words");
-  const unsigned char* pa = static_cast<const unsigned char*>(a.ptr);
-  const uint64_t* pw = static_cast<const uint64_t*>(w.ptr);
-  py::gil_scoped_release nogil;
-  constexpr int LANES = 8;
-  uint64_t acc[LANES] = {0};
-  int64_t i = 0;
-  for (; i + LANES <= n; i += LANES)
-    for (int j = 0; j < LANES; ++j) {
-      uint64_t x;
-      std::memcpy(&x, pa + (i + j) * 8, 8);   // the payload may be unaligned
-      acc[j] += x * pw[i + j];
-    }
-  uint64_t s = 0;
-  for (int j = 0; j < LANES; ++j) s += acc[j];
-  for (; i < n; ++i) {
-    uint64_t x;
-    std::memcpy(&x, pa + i * 8, 8);
-    s += x * pw[i];
-  }
-  return s;
-}

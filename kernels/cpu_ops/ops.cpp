@@ -283,7 +283,6 @@ void kv_gather(const torch::Tensor& kv, const std::vector<int64_t>& ids, int64_t
                int64_t l1, py::buffer out);
 void kv_scatter(torch::Tensor& kv, const std::vector<int64_t>& ids, int64_t l0, int64_t l1,
                 py::buffer payload);
-uint64_t word_dot(py::buffer data, py::buffer weights, int64_t n);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_rows", &quant_rows, "int8 (or uint8 + 128) rows + float32 row scales",
@@ -293,5 +292,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequant_rows", &dequant_rows, "int32 GEMM result * sx[m] * sw[n] -> dtype");
   m.def("kv_gather", &kv_gather, "pool blocks x layers -> a KV write's payload buffer");
   m.def("kv_scatter", &kv_scatter, "a KV write's payload -> pool blocks x layers, in place");
-  m.def("word_dot", &word_dot, "sum of 8-byte words times weights, mod 2^64");
 }

@@ -141,16 +141,26 @@ class RequestTable:
             self.quarantined_writes += 1
         g.received[attempt] += 1
 
-    def may_land(self, rid: str, attempt: str) -> bool:
-        """The owner check: a write for a request that awaits its KV lands only if its
-        attempt is one the reservation granted (a write from another attempt, or from a
-        previous life of this process, never does). Elsewhere the epoch fence decides."""
+    def granted(self, rid: str, attempt: str, block_ids: list[int]) -> bool:
+        """The owner check, failing closed: a write may land only for a request that awaits
+        its KV, from an attempt its reservation granted, into blocks of that reservation
+        only. A write for an unknown request, for one without a grant (running, reclaimed,
+        quarantined), from another attempt (or a previous life of this process), or naming
+        any block outside the grant, never does; the epoch fence is checked after this.
+        Pure: asked once before a write's bytes are read, and again when it is applied."""
+        if not self.ack_enabled:      # TEST ONLY: the unprotected system
+            return True
         r = self.records.get(rid)
-        if r is None or r.grant is None or not self.ack_enabled:
+        g = r.grant if r is not None else None
+        return g is not None and attempt in g.owners and set(block_ids) <= g.block_set
+
+    def may_land(self, rid: str, attempt: str, block_ids: list[int]) -> bool:
+        """granted(), counting a refused write for a reservation (kv_writes_not_owner)."""
+        if self.granted(rid, attempt, block_ids):
             return True
-        if attempt in r.grant.owners:
-            return True
-        self.foreign_writes += 1
+        r = self.records.get(rid)
+        if r is not None and r.grant is not None:
+            self.foreign_writes += 1
         return False
 
     def writes_received(self, rid: str, attempt: str) -> int:

@@ -54,6 +54,10 @@ class KvGrant:
     final: dict[str, int] = field(default_factory=dict)     # attempt -> writes it issued, in all
     received: Counter = field(default_factory=Counter)      # attempt -> writes received
 
+    @property
+    def block_set(self) -> frozenset[int]:
+        return frozenset(self.block_ids)
+
     def settled(self) -> bool:
         """Every owner has stopped and every write it counted has been received."""
         return all(a in self.final and self.received[a] >= self.final[a] for a in self.owners)

@@ -124,7 +124,7 @@ class DecodeService:
         await ep("prefill_done", subjects.decode_prefill_done(self.iid), self.on_prefill_done,
                  Codec(PrefillDone))
         await ep("claim", subjects.decode_claim(self.iid), self.on_claim, Codec(PrefillClaim))
-        await NatsKvTransport(self.rt).listen(self.iid, self.on_kv_write)
+        await NatsKvTransport(self.rt).listen(self.iid, self.on_kv_write, self.admits)
         await nc.subscribe(subjects.heartbeat("prefill"), cb=self.on_heartbeat)
         await nc.subscribe(subjects.heartbeat("gateway"), cb=self.on_heartbeat)
         self.rt.spawn(self.engine_loop())
@@ -280,11 +280,18 @@ class DecodeService:
                                         c.block_ids, c.epochs)
         return encode(ClaimReply(request_id=c.request_id, granted=granted, reason=why))
 
+    def admits(self, w: KvWrite) -> bool:
+        """May this write land, judged on its header alone (before any byte is read)?"""
+        return (self.table.granted(w.request_id, w.attempt or w.sender, w.block_ids)
+                and self.slots.fence_holds(w))
+
     async def on_kv_write(self, w: KvWrite, payload) -> KvWriteAck:
+        """payload None: admits() refused it (counted, never applied)."""
         attempt = w.attempt or w.sender
         self.table.write(w.request_id, attempt)                 # counted, landed or not
         try:
-            landed = self.table.may_land(w.request_id, attempt) and self.slots.write(w, payload)
+            landed = (self.table.may_land(w.request_id, attempt, w.block_ids)
+                      and payload is not None and self.slots.write(w, payload))
         except ValueError as e:
             raise ServiceError(ErrorCode.INVALID_REQUEST, str(e), w.request_id) from e
         finally:

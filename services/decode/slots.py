@@ -71,6 +71,12 @@ class KvSlots:
                             w.shape)
             return landed
 
+    def fence_holds(self, w: KvWrite) -> bool:
+        """Would the fence let this write land now? Asked on the event loop before the
+        write's bytes are read, without the engine lock (a step may hold it): write()
+        asks again under the lock."""
+        return self._fence(w.block_ids, w.epochs)
+
     def _fence(self, block_ids: list[int], epochs: list[int]) -> bool:
         pool = self.engine.pool
         if len(block_ids) != len(epochs) or not all(0 <= b < pool.num_blocks for b in block_ids):

@@ -23,6 +23,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+import msgspec
+
 from shared.contracts.kv import KvWrite
 from shared.contracts.messages import PrefillDone, PrefillJob
 from shared.kv import wire
@@ -190,8 +192,8 @@ class KvSender:
             meta = KvWrite(request_id=job.request_id, epochs=job.dest.epochs[p.b0:p.b1],
                            block_ids=job.dest.block_ids[p.b0:p.b1], layer_start=p.l0,
                            layer_end=p.l1, dtype=wire.dtype_name(engine.kv.dtype), shape=shape,
-                           checksum=await wire.checksum_async(payload), seq=p.index,
-                           sender=self.sender_id, attempt=attempt, done=done)
+                           seq=p.index, sender=self.sender_id, attempt=attempt, done=done)
+            meta = msgspec.structs.replace(meta, digest=await wire.digest_async(meta, payload))
             ack = await self.transport.send(dest, meta, payload)
             answered, sent = True, len(payload)
             self.max_write_bytes = max(self.max_write_bytes, sent)

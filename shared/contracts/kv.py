@@ -20,13 +20,15 @@ class KvWrite(msgspec.Struct, frozen=True, kw_only=True):
     layer_end: int
     dtype: str
     shape: list[int]
-    checksum: int          # of the payload: shared.kv.wire.write_checksum
     seq: int               # index of this write within the job
     sender: str
     attempt: str = ""      # the prefill attempt (PrefillClaim.attempt) that issued it
     # the attempt's PrefillDone (status OK, writes_issued 1) when this is its only write:
     # decode starts the request on it once the write has landed (no separate message)
     done: PrefillDone | None = None
+    # shared.kv.wire.write_digest: SHA-256 (128 bits, hex) over every field above and the
+    # payload; decode checks it after the write was admitted and its size matched
+    digest: str = ""
 
     def headers(self) -> dict[str, str]:
         """The NATS headers of the write: Pdmesh-v and the whole struct as one JSON value
@@ -55,5 +57,6 @@ class KvWriteAck(msgspec.Struct, frozen=True, kw_only=True):
     v: int = VERSION
     request_id: str
     seq: int
-    applied: bool          # False: fenced (stale epoch) or unknown request; discarded
+    applied: bool          # False: not admitted (no such request, not this attempt's
+    #                        grant, a block outside it, a stale epoch); discarded
 

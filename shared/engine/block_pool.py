@@ -7,11 +7,12 @@ to zero stays cached ("evictable") and is reused, least recently used first, onl
 no never-cached block is free: eviction drops its key.
 
 Each allocation stamps the block with a new epoch, so a stale writer (one that was given
-the block under an earlier epoch) can be recognised and fenced off. Epochs start at a
-random 62-bit base in every pool (every process incarnation): a write issued to a
-previous life of this process (same instance id, same block ids) names epochs this life
-will practically never hand out, so the fence drops it too. Cached blocks are
-never handed to a remote writer: only freshly allocated blocks are.
+the block under an earlier epoch) can be recognised and fenced off. Every epoch is drawn
+at random (63 bits, from the OS's CSPRNG), not counted: an epoch seen in one job says
+nothing about any other block's, so a writer cannot aim a write at blocks it was not
+given by guessing their epochs, and a write issued to a previous life of this process
+(same instance id, same block ids) names epochs this life will practically never hand
+out. Cached blocks are never handed to a remote writer: only freshly allocated blocks are.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ class NoFreeBlocks(RuntimeError):
 
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, epoch_base: int | None = None):
-        """epoch_base: the first epoch (default: random per pool; tests may fix it)."""
+        """epoch_base: TEST ONLY, count epochs up from it instead of drawing them."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, "
                              f"{block_size}")
@@ -37,7 +38,7 @@ class BlockPool:
         self._cached: dict[bytes, int] = {}         # prefix key -> block
         self._evictable: OrderedDict[int, None] = OrderedDict()   # cached, ref 0, LRU first
         self.epoch = [0] * num_blocks
-        self._next_epoch = secrets.randbits(62) + 1 if epoch_base is None else epoch_base
+        self._next_epoch: int | None = epoch_base      # None: random epochs
         self.hits = 0           # blocks served from the prefix index
         self.queries = 0        # blocks looked up
         self.evictions = 0
@@ -73,14 +74,19 @@ class BlockPool:
                 del self._cached[self._key.pop(b)]
                 self.evictions += 1
             self._ref[b] = 1
-            self.epoch[b] = self._next_epoch
-            self._next_epoch += 1
+            self._stamp(b)
             out.append(b)
         return out
 
     def restamp(self, blocks: list[int]) -> None:
         """New epochs for blocks that stay allocated: fences every earlier writer."""
         for b in blocks:
+            self._stamp(b)
+
+    def _stamp(self, b: int) -> None:
+        if self._next_epoch is None:
+            self.epoch[b] = secrets.randbits(63) | 1      # never 0 (a never-allocated block)
+        else:
             self.epoch[b] = self._next_epoch
             self._next_epoch += 1
 

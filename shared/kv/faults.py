@@ -34,8 +34,8 @@ class SlowKvTransport:
         await asyncio.sleep(self.rng.uniform(0.0, self.max_delay_s))
         return await self.inner.send(dest, meta, payload)
 
-    async def listen(self, instance_id: str, on_write: OnWrite) -> None:
-        await self.inner.listen(instance_id, on_write)
+    async def listen(self, instance_id: str, on_write: OnWrite, admit=None) -> None:
+        await self.inner.listen(instance_id, on_write, admit)
 
     async def close(self) -> None:
         await self.inner.close()

@@ -3,8 +3,9 @@
 One InMemoryKvTransport is the hub both sides share: listen() registers on_write under an
 instance id, send() calls it directly and returns its ack. It behaves like the NATS
 transport where the protocol can tell: the metadata makes the round trip through its
-headers, the checksum is verified, a refusal (ServiceError) reaches the sender as a
-ServiceError, bad metadata or a checksum mismatch as ServiceError(BAD_MESSAGE), any other
+headers, the admission, size and digest checks run in the same order (transport.receive),
+a refusal (ServiceError) reaches the sender as a ServiceError, bad metadata or a size or
+digest mismatch as ServiceError(BAD_MESSAGE), any other
 failure of on_write as ServiceError(INTERNAL); an unknown destination raises
 ConnectionError (nobody answered). Each send yields to the event loop once first, so
 concurrent writes really are in flight together.
@@ -18,8 +19,8 @@ from shared.contracts.common import ContractError, ErrorCode
 from shared.contracts.kv import KvWrite, KvWriteAck
 from shared.service import ServiceError
 
-from .transport import OnWrite
-from .wire import Buffer, write_checksum
+from .transport import Admit, OnWrite, receive
+from .wire import Buffer
 
 log = logging.getLogger("pdmesh.kv")
 
@@ -28,7 +29,7 @@ class InMemoryKvTransport:
     def __init__(self, max_payload: int = 8 << 20, hub: dict[str, OnWrite] | None = None):
         """hub: share one listener table between several transports (default: its own)."""
         self.max_payload = max_payload
-        self.hub: dict[str, OnWrite] = {} if hub is None else hub
+        self.hub: dict[str, tuple[OnWrite, Admit | None]] = {} if hub is None else hub
         self.mine: set[str] = set()
         self.closed = False
         self.sent = 0
@@ -40,15 +41,13 @@ class InMemoryKvTransport:
         if len(data) > self.max_payload:
             raise ValueError(f"KV payload {len(data)} B > max_payload {self.max_payload}")
         await asyncio.sleep(0)                    # the write is in flight
-        on_write = self.hub.get(dest)
-        if on_write is None:
+        listener = self.hub.get(dest)
+        if listener is None:
             raise ConnectionError(f"no KV listener for {dest!r}")
         self.sent += 1
         try:
             meta = KvWrite.from_headers(meta.headers())
-            if write_checksum(data) != meta.checksum:
-                raise ContractError(f"KV write {meta.request_id}#{meta.seq}: checksum mismatch")
-            return await on_write(meta, data)
+            return await receive(meta, lambda: data, *listener)
         except ServiceError:
             raise
         except ContractError as e:
@@ -57,10 +56,11 @@ class InMemoryKvTransport:
             log.exception("KV on_write for %s failed", dest)
             raise ServiceError(ErrorCode.INTERNAL, repr(e)) from e
 
-    async def listen(self, instance_id: str, on_write: OnWrite) -> None:
+    async def listen(self, instance_id: str, on_write: OnWrite,
+                     admit: Admit | None = None) -> None:
         if instance_id in self.hub:
             raise ValueError(f"{instance_id!r} already listens")
-        self.hub[instance_id] = on_write
+        self.hub[instance_id] = (on_write, admit)
         self.mine.add(instance_id)
 
     async def close(self) -> None:

@@ -8,7 +8,7 @@ NATS headers (KvWrite.headers()), decode's KvWriteAck (or a micro error) as the 
 A write from the same host (shm_transport.py) carries a shared-memory handle in the
 SHM_HEADER header instead of a payload: the listener reads the bytes in place.
 The receiver registers a raw micro endpoint on subjects.decode_kv(instance_id) through the
-runtime, so bad headers and a checksum mismatch become BAD_MESSAGE replies (ContractError)
+runtime, so bad headers and a size or digest mismatch become BAD_MESSAGE replies (ContractError)
 and a ServiceError raised by on_write reaches the sender as that ServiceError.
 """
 from __future__ import annotations
@@ -19,8 +19,8 @@ from shared.contracts.kv import KvWrite, KvWriteAck
 from shared.service import ServiceRuntime, decode_reply
 
 from .shm import Segments, ShmUnavailable
-from .transport import OnWrite
-from .wire import HEADER_ROOM, Buffer, checksum_async
+from .transport import Admit, OnWrite, receive
+from .wire import HEADER_ROOM, Buffer
 
 ACK = Codec(KvWriteAck)
 SHM_HEADER = "Pdmesh-Shm"             # a same-host write: "segment:offset:length", no payload
@@ -57,14 +57,15 @@ class NatsKvTransport:
         """Decode's reply to a write: its ack, or the ServiceError it answered."""
         return decode_reply(msg.data, msg.headers, ACK)
 
-    async def listen(self, instance_id: str, on_write: OnWrite) -> None:
+    async def listen(self, instance_id: str, on_write: OnWrite,
+                     admit: Admit | None = None) -> None:
         async def handler(req) -> bytes:
             meta = KvWrite.from_headers(req.headers)
             handle = req.headers.get(SHM_HEADER) if req.headers else None
-            data = req.data if handle is None else self._shm_region(handle)
-            if await checksum_async(data) != meta.checksum:
-                raise ContractError(f"KV write {meta.request_id}#{meta.seq}: checksum mismatch")
-            return encode(await on_write(meta, memoryview(data)))
+
+            def read() -> Buffer:          # only once admitted (transport.receive)
+                return req.data if handle is None else self._shm_region(handle)
+            return encode(await receive(meta, read, on_write, admit))
 
         await self.rt.endpoint("kv", subjects.decode_kv(instance_id), handler, None, raw=True)
         await self.rt.nc.flush()        # the server knows the subscription: writes reach it

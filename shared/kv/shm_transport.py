@@ -131,8 +131,8 @@ class ShmKvTransport:
         self.counters["kv_shm_bytes"] += len(payload)
         return ack
 
-    async def listen(self, instance_id: str, on_write) -> None:
-        await self.inner.listen(instance_id, on_write)
+    async def listen(self, instance_id: str, on_write, admit=None) -> None:
+        await self.inner.listen(instance_id, on_write, admit)
 
     async def close(self) -> None:
         await self.inner.close()

@@ -54,8 +54,8 @@ class Gate:
         await self._open.wait()
         return await self.inner.send(dest, meta, payload)
 
-    async def listen(self, instance_id, on_write):
-        await self.inner.listen(instance_id, on_write)
+    async def listen(self, instance_id, on_write, admit=None):
+        await self.inner.listen(instance_id, on_write, admit)
 
     async def close(self):
         await self.inner.close()
@@ -107,7 +107,7 @@ class LocalMesh:
         self.claim_gate = None           # an async callable a claim awaits before decode sees it
 
     async def start(self, decode_loop: bool = True) -> None:
-        await self.kv.listen(self.decode.iid, self.decode.on_kv_write)
+        await self.kv.listen(self.decode.iid, self.decode.on_kv_write, self.decode.admits)
         self.tasks.append(asyncio.ensure_future(self.prefill.engine_loop()))
         if decode_loop:
             self.start_decoding()

@@ -102,9 +102,10 @@ async def test_late_write_after_the_lease_never_reaches_the_next_request(
         tiny_target, tiny_prompts, reference, fence):
     """The owner of an aborted request's blocks goes silent with a write on the wire; the
     lease frees the blocks and the next request gets them; then the late write arrives.
-    The epoch fence drops it and the next request's output is right. With the fence off
-    (TEST ONLY) the same write lands in the next request's KV and its output is wrong:
-    the guard is what makes the difference."""
+    It is refused and the next request's output is right. With the epoch fence off (TEST
+    ONLY) the owner check still refuses it, failing closed: its request holds no grant any
+    more (before issue 29 it let such a write through to the fence, and it landed in the
+    next request's KV). The fence alone: test_a_write_meant_for_a_previous_life..."""
     flat = {"num_blocks": 3, "fault_no_epoch_fence": not fence}
     mesh = LocalMesh(tiny_target, decode=flat, gated=True)
     await mesh.start(decode_loop=False)
@@ -126,13 +127,11 @@ async def test_late_write_after_the_lease_never_reaches_the_next_request(
         mesh.gate.open()                                    # a's late write arrives now
         await task_a
         st = stats(mesh)
-        assert st["kv_writes_fenced" if fence else "kv_writes_applied"] >= 1
+        applied = st["kv_writes_applied"]
+        assert st["kv_writes_fenced"] >= 1 and st["kv_writes_stray"] >= 1
         mesh.start_decoding()
-        got = await mesh.tokens("b")
-        if fence:
-            assert got == reference(b)
-        else:
-            assert got != reference(b)
+        assert await mesh.tokens("b") == reference(b)
+        assert stats(mesh)["kv_writes_applied"] == applied       # none of a's landed
     finally:
         await mesh.close()
 
@@ -163,7 +162,7 @@ async def test_a_write_meant_for_a_previous_life_never_lands(tiny_target, tiny_p
         old_dest, new_dest = old.decode.table.get("a").grant, new.decode.table.get("a").grant
         assert old_dest.block_ids == new_dest.block_ids
         assert (old_dest.epochs == new_dest.epochs) == (guards == "none")
-        old.kv.hub[old.decode.iid] = new.decode.on_kv_write   # its wire now ends at the new life
+        old.kv.hub[old.decode.iid] = new.kv.hub[new.decode.iid]   # its wire now ends at the new life
         old.gate.open()
         await task
         st = stats(new)
@@ -191,5 +190,48 @@ async def test_a_silent_prefill_on_an_idle_mesh_is_prefilled_here(tiny_target, t
         assert await mesh.tokens("a", timeout=10) == reference(p)
         st = stats(mesh)
         assert st["prefill_fallbacks"] == 1 and st["blocks_used"] == 0
+    finally:
+        await mesh.close()
+
+
+async def test_a_granted_attempt_cannot_write_outside_its_grant(tiny_target, tiny_prompts,
+                                                                reference):
+    """A compromised prefill claims a job it pulled (a legitimate grant for a's blocks),
+    then aims a write at b's blocks, naming their current epochs. The owner check fails
+    closed on any block outside the grant: refused, and b answers right. Before issue 29
+    only the epoch fence looked at block ids, and with the right epochs the write landed."""
+    from shared.contracts.kv import KvWrite
+    from shared.contracts.reclaim import PrefillClaim
+    from shared.kv import wire
+
+    mesh = LocalMesh(tiny_target, gated=True)
+    await mesh.start(decode_loop=False)
+    try:
+        b, a = prompt(tiny_prompts, 3), prompt(tiny_prompts, 7)
+        await mesh.submit("b", b, max_tokens=MAX_TOKENS, ignore_eos=True)
+        task_b, _ = mesh.run_job()
+        await mesh.gate.waiting.wait()
+        b_blocks = list(mesh.decode.table.get("b").grant.block_ids)
+        mesh.gate.open()
+        await task_b
+        assert mesh.decode.table.state("b") is RequestStatus.RUNNING
+        await mesh.submit("a", a, max_tokens=MAX_TOKENS, ignore_eos=True)
+        g = mesh.decode.table.get("a").grant
+        await mesh.decode.on_claim(PrefillClaim(request_id="a", attempt="evil",
+                                                prefill_instance="prefill_0",
+                                                block_ids=g.block_ids, epochs=g.epochs))
+        assert "evil" in g.owners                          # the grant is real
+        kv, pool = mesh.decode.engine.kv, mesh.decode.engine.pool
+        aim = [g.block_ids[0], b_blocks[0]]                # one of its own, one of b's
+        shape = [kv.shape[0], 2, len(aim), *kv.shape[3:]]
+        meta = KvWrite(request_id="a", attempt="evil", sender="prefill_0", seq=0,
+                       block_ids=aim, epochs=[pool.epoch[x] for x in aim], layer_start=0,
+                       layer_end=kv.shape[0], dtype=wire.dtype_name(kv.dtype), shape=shape)
+        payload = bytes([0x7F]) * wire.write_bytes(meta)
+        ack = await mesh.kv.send(mesh.decode.iid, wire.signed(meta, payload), payload)
+        assert not ack.applied
+        assert stats(mesh)["kv_writes_not_owner"] == 1
+        mesh.start_decoding()
+        assert await mesh.tokens("b") == reference(b)
     finally:
         await mesh.close()

@@ -31,8 +31,8 @@ class Watch:
         self.sent.append((meta.layer_start, meta.layer_end, bool(self.prefill.pending)))
         return await self.inner.send(dest, meta, payload)
 
-    async def listen(self, instance_id, on_write):
-        await self.inner.listen(instance_id, on_write)
+    async def listen(self, instance_id, on_write, admit=None):
+        await self.inner.listen(instance_id, on_write, admit)
 
     async def close(self):
         await self.inner.close()

@@ -52,3 +52,17 @@ def test_every_allocation_gets_a_new_epoch():
     pool.free([a])
     pool.free(pool.allocate(2))
     assert pool.epoch[a] != e1
+
+
+def test_epochs_are_drawn_not_counted():
+    """An epoch seen in one job says nothing about another block's (issue 29: with one
+    counter per pool, a writer that saw a job's epochs overwrote cached blocks by trying
+    the neighbouring values)."""
+    pool = BlockPool(64, 16)
+    blocks = pool.allocate(64)
+    seen = sorted(pool.epoch[b] for b in blocks)
+    pool.restamp(blocks)
+    seen += sorted(pool.epoch[b] for b in blocks)
+    assert len(set(seen)) == 128 and all(e > 0 for e in seen)
+    gaps = [abs(a - b) for a in seen for b in seen if a != b]
+    assert min(gaps) > 1 << 20           # no neighbours: 63 random bits each

@@ -27,7 +27,7 @@ def write(s: KvSlots, blocks: list[int], epochs: list[int]) -> KvWrite:
     kv = s.engine.kv
     shape = [1, 2, len(blocks), *kv.shape[3:]]
     return KvWrite(request_id="x", epochs=epochs, block_ids=blocks, layer_start=0, layer_end=1,
-                   dtype=wire.dtype_name(kv.dtype), shape=shape, checksum=0, seq=0, sender="p")
+                   dtype=wire.dtype_name(kv.dtype), shape=shape, seq=0, sender="p")
 
 
 def test_fence_refuses_a_write_whose_blocks_moved_on(tiny_target, device):
