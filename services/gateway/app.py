@@ -33,10 +33,11 @@ from .grammar_check import GrammarGuard, deferred
 from .handover import Handover
 from .metrics import CONTENT_TYPE, Metrics
 from .model import ModelSpec
-from .protocol import OpenAIError, overloaded
+from .protocol import OpenAIError
 from .registry import Registry
 from .respond import answer
 from .scrape import KVSTORE_GAUGES, kvstore_stats, prefill_group_gauges
+from .slowclients import WRITE_TIMEOUT, Slots, key_cap, read_body
 from .validate import Prepared, parse_chat, parse_completion
 
 log = logging.getLogger("pdmesh.gateway")
@@ -53,7 +54,7 @@ class Gateway:
                                       description="pdmesh gateway: OpenAI-compatible REST",
                                       auth=cfg.nats)
         self.client: DecodeClient | None = None
-        self.in_flight = 0
+        self.slots = Slots()           # requests in flight, in all and per API key
         self.draining = False
         self.handover = Handover()     # the port to a successor (pdmesh restart gateway)
         self._drained = asyncio.Event()
@@ -129,15 +130,33 @@ class Gateway:
         return auth.cache_salt(request.get(auth.TENANT, ""), prep.options.cache_salt,
                                self.cfg.shared_prefix_cache)
 
-    def admit(self) -> None:
-        """Raise unless a new request may start now: 503 while draining, 429 (with
-        Retry-After) past max_in_flight. Every generating endpoint calls it first."""
+    @property
+    def in_flight(self) -> int:
+        return self.slots.total
+
+    def refuse_if_draining(self) -> None:
         if self.draining:
             raise OpenAIError(503, "the gateway is shutting down", code="shutting_down")
+
+    async def read_body(self, request: web.Request) -> bytes:
+        """The body within --body-timeout-s (408 after); a request is not in flight yet."""
+        self.refuse_if_draining()
+        return await read_body(request, self.cfg.body_timeout_s)
+
+    def admit(self, key: str) -> None:
+        """Count a request whose body was read and parsed as in flight for its API key,
+        or raise: 503 while draining, 429 (with Retry-After) past max_in_flight or past
+        the per-key cap. Every generating endpoint calls it, then done(key) when over."""
+        self.refuse_if_draining()
         cap = self.cfg.max_in_flight or 4 * self.registry.capacity(time.monotonic())
-        if cap and self.in_flight >= cap:
+        try:
+            self.slots.take(key, cap, key_cap(cap, self.cfg.max_in_flight_per_key))
+        except OpenAIError:
             self.metrics.failures.inc(code="rate_limit_exceeded")
-            raise overloaded(f"{self.in_flight} requests in flight (limit {cap})")
+            raise
+
+    def done(self, key: str) -> None:
+        self.slots.give(key)
 
     def nats_connected(self) -> bool:
         nc = self.runtime.nc
@@ -169,6 +188,7 @@ def create_app(cfg: GatewayConfig, spec: ModelSpec | None = None) -> web.Applica
         gw.handover.middleware, *trace.middlewares(), _errors,
         auth.middleware(gw.keys, cfg.open_metrics), limits.body_middleware(lambda: gw.body_limit)])
     app[GATEWAY] = gw
+    app[WRITE_TIMEOUT] = cfg.write_timeout_s
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
@@ -203,12 +223,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def _generate(request: web.Request, parse, id_prefix: str) -> web.StreamResponse:
     gw = request.app[GATEWAY]
-    gw.admit()
     arrival = time.monotonic()
-    gw.in_flight += 1
+    prep = await gw.prepare(parse, await gw.read_body(request))
+    key = request.get(auth.TENANT, "")
+    gw.admit(key)              # in flight from here: the body is in and parsed
     try:
-        body = await request.read()
-        prep = await gw.prepare(parse, body)
         rid = f"{id_prefix}-{uuid.uuid4().hex}"
         if prep.options.n > 1:
             return await answer_n(request, gw, prep, rid, arrival)
@@ -217,7 +236,7 @@ async def _generate(request: web.Request, parse, id_prefix: str) -> web.StreamRe
         gw.metrics.placements.inc(placement=d.path.value)
         return await answer(request, gw.client, d, prep, rid, arrival, gw.metrics, gw.token_text)
     finally:
-        gw.in_flight -= 1
+        gw.done(key)
 
 
 # ---- the rest --------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from . import protocol as P
 from .aborting import AbortOnExit, close
 from .protocol import OpenAIError
 from .respond import SSE_HEADERS, Answer, _client_gone, _Sse, next_chunk, whole_body
+from .slowclients import sse_response
 from .validate import Prepared
 
 if TYPE_CHECKING:
@@ -172,7 +173,7 @@ class _Indexed:
 
 
 async def _stream(ch: Choices) -> web.StreamResponse:
-    resp = web.StreamResponse(headers=SSE_HEADERS | ch.headers())
+    resp = sse_response(ch.request, SSE_HEADERS | ch.headers())
     await resp.prepare(ch.request)
     created, lock = int(time.time()), asyncio.Lock()
     o = ch.prep.options

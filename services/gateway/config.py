@@ -92,7 +92,17 @@ class GatewayConfig:
     max_in_flight: int = field(default=0, metadata=_help(
         "requests in flight beyond this get 429 with Retry-After (0: 4 times what the "
         "live decode instances batch at once, from their heartbeats; lower it to bound "
-        "latency under overload, e.g. 1.5x)"))
+        "latency under overload, e.g. 1.5x). A request counts once its body is read and "
+        "parsed"))
+    max_in_flight_per_key: int = field(default=0, metadata=_help(
+        "requests one API key may have in flight (0: half of --max-in-flight's cap): one "
+        "tenant cannot take every slot. Without API keys only the global cap applies"))
+    body_timeout_s: float = field(default=30.0, metadata=_help(
+        "a request body not received within this gets 408 (a client that sends a byte "
+        "at a time holds nothing else meanwhile)"))
+    write_timeout_s: float = field(default=30.0, metadata=_help(
+        "a streamed response the client does not read for this long is cut off and its "
+        "request aborted at decode (a client that stopped reading holds no slot)"))
 
     def __post_init__(self):
         if not self.model:
@@ -101,7 +111,8 @@ class GatewayConfig:
             self.served_model_name = Path(self.model).name
         self.instance_id = (subjects.instance_token(self.instance_id) if self.instance_id
                             else new_instance_id("gateway"))
-        for name in ("request_timeout_s", "decode_dead_after_s", "submit_timeout_s"):
+        for name in ("request_timeout_s", "decode_dead_after_s", "submit_timeout_s",
+                     "body_timeout_s", "write_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.drain_grace_s < 0:

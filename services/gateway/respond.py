@@ -33,6 +33,7 @@ from .dispatch import DecodeClient, Dispatch, Lost, chunk_error
 from .metrics import Metrics
 from .migrate import migrate
 from .protocol import OpenAIError
+from .slowclients import sse_response
 from .validate import Prepared
 
 log = logging.getLogger("pdmesh.gateway")
@@ -223,8 +224,8 @@ def whole_body(ans: Answer, rid: str, created: int) -> dict:
 async def _stream(request, client, ans: Answer, rid, deadline) -> web.StreamResponse:
     d = ans.d
     created = int(time.time())
-    resp = web.StreamResponse(headers=SSE_HEADERS | {"x-pdmesh-path": d.path.value,
-                                                     "x-pdmesh-decode": d.instance})
+    resp = sse_response(request, SSE_HEADERS | {"x-pdmesh-path": d.path.value,
+                                                "x-pdmesh-decode": d.instance})
     await resp.prepare(request)
     sse = _Sse(resp, ans, rid, created)
     try:

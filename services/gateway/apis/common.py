@@ -21,8 +21,10 @@ from aiohttp import web
 from shared.contracts.messages import TokenChunk
 from shared.toolcalls import ToolCallStreamParser, parse_tool_calls
 
+from .. import auth
 from ..aborting import AbortOnExit
 from ..respond import SSE_HEADERS, Answer, next_chunk
+from ..slowclients import sse_response
 from ..validate import Prepared
 
 if TYPE_CHECKING:
@@ -90,8 +92,8 @@ class Turn:
 
     async def open_stream(self) -> web.StreamResponse:
         d = self.ans.d
-        self.resp = web.StreamResponse(headers=SSE_HEADERS | {"x-pdmesh-path": d.path.value,
-                                                             "x-pdmesh-decode": d.instance})
+        self.resp = sse_response(self.request, SSE_HEADERS | {"x-pdmesh-path": d.path.value,
+                                                              "x-pdmesh-decode": d.instance})
         await self.resp.prepare(self.request)
         return self.resp
 
@@ -108,12 +110,11 @@ async def run(gw: Gateway, request: web.Request, parse: Callable[[bytes, Any], J
               id_prefix: str) -> web.StreamResponse:
     """Read, translate (gw.prepare: off the event loop), dispatch, answer; decode is told
     to abort whatever did not finish (client gone, error, timeout)."""
-    gw.admit()               # 503 while draining, 429 + Retry-After past the in-flight cap
     arrival = time.monotonic()
-    gw.in_flight += 1
+    job = await gw.prepare(parse, await gw.read_body(request))   # 408 past --body-timeout-s
+    key = request.get(auth.TENANT, "")
+    gw.admit(key)        # in flight from here; 503 draining, 429 past the caps (all, per key)
     try:
-        body = await request.read()
-        job = await gw.prepare(parse, body)
         rid = f"{id_prefix}_{uuid.uuid4().hex}"
         p = job.prep
         d = await gw.client.submit(rid, p.prompt_ids, p.params, p.constraint,
@@ -123,7 +124,7 @@ async def run(gw: Gateway, request: web.Request, parse: Callable[[bytes, Any], J
         async with AbortOnExit(gw.client, gw.metrics, [ans]):
             return await respond(Turn(gw, request, ans, job, rid))
     finally:
-        gw.in_flight -= 1
+        gw.done(key)
 
 
 # ---- blocks ------------------------------------------------------------------------------

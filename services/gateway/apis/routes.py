@@ -46,10 +46,10 @@ def add_routes(app: web.Application, gw: Gateway) -> ResponseStore:
     store = ResponseStore(gw.cfg.responses_store_size)
 
     async def on_tokenize(request: web.Request) -> web.Response:
-        return _json(await gw.prepare(tokenize, await request.read()))
+        return _json(await gw.prepare(tokenize, await gw.read_body(request)))
 
     async def on_detokenize(request: web.Request) -> web.Response:
-        return _json(await gw.prepare(detokenize, await request.read()))
+        return _json(await gw.prepare(detokenize, await gw.read_body(request)))
 
     async def answer_r(turn: Turn) -> web.StreamResponse:
         if turn.job.stream:
@@ -83,7 +83,7 @@ def add_routes(app: web.Application, gw: Gateway) -> ResponseStore:
         return await run(gw, request, parse_messages, answer_m, "msg")
 
     async def on_count_tokens(request: web.Request) -> web.Response:
-        job = await gw.prepare(_count_body, await request.read())
+        job = await gw.prepare(_count_body, await gw.read_body(request))
         return _json({"input_tokens": len(job.prep.prompt_ids)})
 
     app.router.add_post("/tokenize", on_tokenize)
