@@ -5,6 +5,8 @@ refused, a decode that cannot read the segment gets NATS from then on, a full se
 falls back to NATS, an unanswered write's region is never reused."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -34,18 +36,62 @@ def test_arena_allocates_frees_and_merges(tmp_path):
     assert not a.path.exists()
 
 
-def test_reader_maps_regions_and_refuses_bad_handles(tmp_path):
+def test_reader_copies_regions_and_refuses_bad_handles(tmp_path):
     a = shm.Arena(16 << 10, directory=tmp_path)
     off = a.alloc(10)
     a.view[off:off + 10] = b"0123456789"
     r = shm.Segments(directory=tmp_path)
-    assert bytes(r.region(f"{a.name}:{off}:10")) == b"0123456789"
+    got = r.region(f"{a.name}:{off}:10")
+    a.view[off:off + 10] = b"xxxxxxxxxx"
+    assert bytes(got) == b"0123456789"               # a copy: the writer cannot change it
     for bad in ("nonsense", f"{a.name}:0:999999", "other-seg:0:1", f"{shm.PREFIX}gone-1:0:1",
                 f"../{a.name}:0:1"):
         with pytest.raises(shm.ShmUnavailable):
             r.region(bad)
     r.close()
     a.close()
+
+
+def test_reader_refuses_what_no_writer_of_ours_made(tmp_path):
+    """Issue 29: a symlink named like a segment read whatever it pointed at (a root-only
+    file, byte by byte through the digest answers). O_NOFOLLOW, and only a regular 0600
+    file of this user with one link is read."""
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"root-only contents")
+    secret.chmod(0o600)
+    r = shm.Segments(directory=tmp_path)
+    link = tmp_path / f"{shm.PREFIX}1-symlink"
+    link.symlink_to(secret)
+    hard = tmp_path / f"{shm.PREFIX}1-hardlink"
+    hard.hardlink_to(secret)
+    loose = tmp_path / f"{shm.PREFIX}1-loose"
+    loose.write_bytes(b"x" * 64)
+    loose.chmod(0o644)
+    fifo = tmp_path / f"{shm.PREFIX}1-fifo"
+    os.mkfifo(fifo, 0o600)
+    for f, why in ((link, "cannot open"), (hard, "links"), (loose, "mode 644"),
+                   (fifo, "not a regular file")):
+        with pytest.raises(shm.ShmUnavailable, match=why):
+            r.region(f"{f.name}:0:4")
+    r.close()
+
+
+def test_a_truncated_segment_is_a_refused_write_not_a_sigbus(tmp_path):
+    """Truncating a segment decode had mapped killed decode with SIGBUS. Regions are read
+    with pread: the write is refused, the reader lives, the next segment reads fine."""
+    a = shm.Arena(64 << 10, directory=tmp_path)
+    off = a.alloc(32 << 10)
+    r = shm.Segments(directory=tmp_path)
+    assert len(r.region(f"{a.name}:{off}:{32 << 10}")) == 32 << 10     # opened and checked
+    os.truncate(a.path, 4096)
+    with pytest.raises(shm.ShmUnavailable, match="shorter"):
+        r.region(f"{a.name}:{off + 8192}:{16 << 10}")
+    b = shm.Arena(8192, directory=tmp_path)
+    b.view[0:3] = b"abc"
+    assert bytes(r.region(f"{b.name}:0:3")) == b"abc"
+    r.close()
+    a.close()
+    b.close()
 
 
 def test_sweep_removes_segments_of_dead_writers(tmp_path):
@@ -75,6 +121,7 @@ async def _pair(nats_url, **kw):  # noqa: F811
     # is refused at once by the server: no responders)
     tx = await ShmKvTransport.create(NatsKvTransport(rt_pre, timeout_s=30.0), **kw)
     tx.hosts["d0"] = tx.host                          # as d0's heartbeat would say
+    rx.announce("p0", tx.segment)                     # as p0's heartbeat would say
     dec = Decode()
     await rx.listen("d0", dec.on_write)
     spy = _Spy()
@@ -152,6 +199,30 @@ async def test_off_switch_other_hosts_and_a_full_segment_use_nats(nats_url):  # 
         off.hosts["d0"] = off.host
         assert off.alloc("d0", 10) is None
     finally:
+        await tx.close()
+        await rt_pre.close()
+        await rt_dec.close()
+
+
+async def test_a_segment_its_writer_did_not_announce_is_not_read(nats_url):  # noqa: F811
+    """A write whose handle names any segment but the one its sender announced (in its
+    heartbeat) is refused before decode opens anything: a real, well-formed segment of
+    this user made by someone else is refused as surely as a symlink."""
+    rt_dec, rt_pre, rx, tx, dec, spy = await _pair(nats_url, size_bytes=1 << 20)
+    other = shm.Arena(1 << 16)
+    try:
+        src = pool()
+        meta, payload = write(src, [1], [2])
+        other.view[0:len(payload)] = bytes(payload)
+        msg = await tx.inner.request("d0", meta, b"",
+                                     {SHM_HEADER: f"{other.name}:0:{len(payload)}"})
+        with pytest.raises(ServiceError) as e:
+            tx.inner.answer(msg)
+        assert e.value.reply.code is ErrorCode.BAD_MESSAGE and "announced" in str(e.value)
+        assert dec.writes == [] and rx.segments is None      # nothing was opened
+        assert (await tx.send("d0", *_shm_write(tx, src, [1], [2]))).applied   # its own
+    finally:
+        other.close()
         await tx.close()
         await rt_pre.close()
         await rt_dec.close()

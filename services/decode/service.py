@@ -94,6 +94,7 @@ class DecodeService:
         self.stream = TokenStream(self.iid, self.table, None, self.reclaimer, self.monitor,
                                   self.write_back)
         self.writeback = None
+        self.kv_rx: NatsKvTransport | None = None    # KV writes in (start())
         self.spans = tracing.Spans("decode")     # await_kv, generate: per request (if on)
         if peers is not None:
             self.connect(peers)
@@ -124,7 +125,8 @@ class DecodeService:
         await ep("prefill_done", subjects.decode_prefill_done(self.iid), self.on_prefill_done,
                  Codec(PrefillDone))
         await ep("claim", subjects.decode_claim(self.iid), self.on_claim, Codec(PrefillClaim))
-        await NatsKvTransport(self.rt).listen(self.iid, self.on_kv_write, self.admits)
+        self.kv_rx = NatsKvTransport(self.rt)
+        await self.kv_rx.listen(self.iid, self.on_kv_write, self.admits)
         await nc.subscribe(subjects.heartbeat("prefill"), cb=self.on_heartbeat)
         await nc.subscribe(subjects.heartbeat("gateway"), cb=self.on_heartbeat)
         self.rt.spawn(self.engine_loop())
@@ -354,6 +356,8 @@ class DecodeService:
             self.gateways.heard(hb.instance_id, time.monotonic())
         elif hb.service == "prefill":
             self.prefill_seen[hb.instance_id] = time.monotonic()
+            if self.kv_rx is not None:          # the only segment read for that writer
+                self.kv_rx.announce(hb.instance_id, hb.shm_segment)
 
     async def abort_orphans(self, every_s: float = 0.5) -> None:
         while True:

@@ -81,6 +81,7 @@ class PrefillService:
         self.ledger = WriteLedger()
         self.peers, self.kvc, self.reclaims, self.sender = peers, None, None, None
         self.group = layersplit.build(cfg, self.engine)     # None unless --group-size
+        self.shm: ShmKvTransport | None = None     # same-host KV writes (start())
         if kv_transport is not None:
             self.connect(peers, kv_transport, kvc)
 
@@ -101,9 +102,9 @@ class PrefillService:
         nc = self.rt.nc
         self.psub = await pull_subscription(nc.jetstream(), self.cfg.ack_wait_s,
                                             self.cfg.max_deliver, self.cfg.max_jobs)
-        kv = await ShmKvTransport.create(NatsKvTransport(self.rt, self.cfg.kv_ack_timeout_s),
-                                         size_bytes=self.cfg.kv_shm_mb << 20,
-                                         enabled=self.cfg.kv_shm)
+        kv = self.shm = await ShmKvTransport.create(
+            NatsKvTransport(self.rt, self.cfg.kv_ack_timeout_s),
+            size_bytes=self.cfg.kv_shm_mb << 20, enabled=self.cfg.kv_shm)
         self.connect(NatsPrefillPeers(nc), kv,
                      inject.kvstore_client(nc, self.cfg.kvstore_timeout_s, self.cfg.faults))
         await self.rt.endpoint("reclaim", subjects.prefill_reclaim(self.iid),
@@ -136,7 +137,8 @@ class PrefillService:
         return Heartbeat(service="prefill", instance_id=self.iid, model=self.cfg.model,
                          tokenizer_fingerprint=self.fingerprint, running=self.active,
                          waiting=st["waiting"], blocks_free=st["blocks_free"],
-                         blocks_used=st["blocks_used"], host=host_id(), ts=time.time())
+                         blocks_used=st["blocks_used"], host=host_id(), ts=time.time(),
+                         shm_segment=self.shm.segment if self.shm is not None else "")
 
     def stats(self) -> dict:
         kvc = self.kvc.counters if self.kvc is not None else {}

@@ -185,6 +185,8 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     ts: float = 0.0
     incarnation: str = ""             # random per process: a restart under the same
     #                                   instance_id is a new one (its requests are gone)
+    shm_segment: str = ""             # prefill: its KV shared-memory segment; decode reads
+    #                                   no other segment for it (shared/kv/shm.py)
 
 
 class Health(msgspec.Struct, frozen=True, kw_only=True):

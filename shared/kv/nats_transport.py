@@ -6,7 +6,8 @@ NATS headers (KvWrite.headers()), decode's KvWriteAck (or a micro error) as the 
     await tx.listen(decode_instance, on_write)                      # decode
 
 A write from the same host (shm_transport.py) carries a shared-memory handle in the
-SHM_HEADER header instead of a payload: the listener reads the bytes in place.
+SHM_HEADER header instead of a payload: once the write is admitted, the listener copies
+the bytes out of the segment its writer announced (announce(); shm.Segments).
 The receiver registers a raw micro endpoint on subjects.decode_kv(instance_id) through the
 runtime, so bad headers and a size or digest mismatch become BAD_MESSAGE replies (ContractError)
 and a ServiceError raised by on_write reaches the sender as that ServiceError.
@@ -34,6 +35,7 @@ class NatsKvTransport:
         self.timeout_s = timeout_s
         self.closed = False
         self.segments: Segments | None = None     # same-host writers' segments (shm.py)
+        self.announced: dict[str, str] = {}       # writer instance -> its segment's name
 
     @property
     def max_payload(self) -> int:
@@ -64,14 +66,23 @@ class NatsKvTransport:
             handle = req.headers.get(SHM_HEADER) if req.headers else None
 
             def read() -> Buffer:          # only once admitted (transport.receive)
-                return req.data if handle is None else self._shm_region(handle)
+                return req.data if handle is None else self._shm_region(meta.sender, handle)
             return encode(await receive(meta, read, on_write, admit))
 
         await self.rt.endpoint("kv", subjects.decode_kv(instance_id), handler, None, raw=True)
         await self.rt.nc.flush()        # the server knows the subscription: writes reach it
 
-    def _shm_region(self, handle: str) -> memoryview:
-        """A same-host write's bytes, read in place from the writer's segment."""
+    def announce(self, writer: str, segment: str) -> None:
+        """The segment a writer made (its heartbeat says): the only one read for it."""
+        if segment:
+            self.announced[writer] = segment
+        else:
+            self.announced.pop(writer, None)
+
+    def _shm_region(self, writer: str, handle: str) -> memoryview:
+        """A same-host write's bytes, from the segment its writer announced."""
+        if self.announced.get(writer) != handle.split(":", 1)[0]:
+            raise ContractError(f"{SHM_REFUSED}: not the segment {writer!r} announced")
         if self.segments is None:
             self.segments = Segments()
         try:

@@ -2,8 +2,9 @@
 
 A writer owns one segment: a file in /dev/shm (tmpfs), allocated up front with
 posix_fallocate (a full /dev/shm fails here, never later with SIGBUS), mapped read-write,
-carved into regions by a first-fit allocator. A reader maps a writer's segment read-only
-by name and hands out memoryviews of its regions (no copy). The handle that travels is
+carved into regions by a first-fit allocator. A reader opens only segments their writer
+announced, checks what it opened (Segments), and copies a region out with pread (one
+memcpy; never a mapping a writer could truncate under it). The handle that travels is
 "name:offset:length". Segment names carry the writer's pid, so a writer that starts sweeps
 the segments of writers that died without unlinking theirs.
 
@@ -17,6 +18,7 @@ import functools
 import mmap
 import os
 import socket
+import stat
 import uuid
 from collections import OrderedDict
 from pathlib import Path
@@ -125,48 +127,84 @@ class Arena:
 
 
 class Segments:
-    """The reader's mappings of writers' segments (the most recent `keep`)."""
+    """The reader's handles on writers' segments (the most recent `keep`, by name).
+
+    Nothing a write names is trusted (issue 29: decode used to open whatever
+    /dev/shm/pdmesh-kv-* name a write gave, following symlinks, so with prefill's
+    credentials and a symlink a root-only file was read through the digest answers; and
+    truncating a segment decode had mapped killed it with SIGBUS). A segment is read only
+    if its writer announced it (decode: from the writer's heartbeat, shm_transport), and it
+    is opened with O_NOFOLLOW and kept only if it is a regular file of this user, mode
+    0600, one link, on /dev/shm's own device, of a sane size. It is never mapped: a region
+    is read with pread into memory of our own, so a segment truncated meanwhile is a short
+    read (ShmUnavailable), never a SIGBUS."""
+
+    MAX_SEGMENT = 1 << 34        # 16 GiB: larger is no segment of ours
 
     def __init__(self, keep: int = 16, directory: Path = SHM_DIR):
         self.keep, self.directory = keep, directory
-        self.maps: OrderedDict[str, mmap.mmap] = OrderedDict()
+        self.fds: OrderedDict[str, tuple[int, int]] = OrderedDict()    # name -> (fd, size)
 
     def region(self, handle: str) -> memoryview:
-        """The bytes a handle names (read only). ShmUnavailable when they cannot be read."""
+        """A copy of the bytes a handle names. ShmUnavailable when they cannot be read."""
         try:
             name, off, n = handle.rsplit(":", 2)
             off, n = int(off), int(n)
         except ValueError as e:
             raise ShmUnavailable(f"bad shared-memory handle {handle!r}") from e
-        if not name.startswith(PREFIX) or "/" in name:
+        if not name.startswith(PREFIX) or "/" in name or name in (".", ".."):
             raise ShmUnavailable(f"not a pdmesh segment: {name!r}")
-        m = self.maps.get(name)
-        if m is None:
-            m = self._open(name)
-        self.maps.move_to_end(name)
-        if off < 0 or n < 0 or off + n > len(m):
-            raise ShmUnavailable(f"{handle}: outside the segment ({len(m)} B)")
-        return memoryview(m)[off:off + n].toreadonly()
-
-    def _open(self, name: str) -> mmap.mmap:
+        fd, size = self.fds.get(name) or self._open(name)
+        self.fds.move_to_end(name)
+        if off < 0 or n < 0 or off + n > size:
+            raise ShmUnavailable(f"{handle}: outside the segment ({size} B)")
+        buf = bytearray(n)
         try:
-            with open(self.directory / name, "rb") as f:
-                m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except (OSError, ValueError) as e:
-            raise ShmUnavailable(f"cannot map {name}: {e}") from e
-        self.maps[name] = m
-        while len(self.maps) > self.keep:
-            _, old = self.maps.popitem(last=False)
-            try:
-                old.close()
-            except BufferError:
-                pass
-        return m
+            got = os.preadv(fd, [buf], off) if n else 0
+        except OSError as e:
+            raise ShmUnavailable(f"{handle}: cannot read: {e}") from e
+        if got != n:
+            raise ShmUnavailable(f"{handle}: the segment is shorter than announced "
+                                 f"(read {got} of {n} B)")
+        return memoryview(buf).toreadonly()
+
+    def _open(self, name: str) -> tuple[int, int]:
+        try:
+            fd = os.open(self.directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+                         | os.O_NONBLOCK)
+        except OSError as e:
+            raise ShmUnavailable(f"cannot open {name}: {e}") from e
+        try:
+            why = self._unsafe(os.fstat(fd))
+        except OSError as e:
+            why = str(e)
+        if why:
+            os.close(fd)
+            raise ShmUnavailable(f"refusing {name}: {why}")
+        entry = (fd, os.fstat(fd).st_size)
+        self.fds[name] = entry
+        while len(self.fds) > self.keep:
+            _, (old, _) = self.fds.popitem(last=False)
+            os.close(old)
+        return entry
+
+    def _unsafe(self, st: os.stat_result) -> str:
+        """Why a segment file is not one a writer of this mesh made; "" when it is."""
+        if not stat.S_ISREG(st.st_mode):
+            return "not a regular file"
+        if st.st_uid != os.geteuid():
+            return f"owned by uid {st.st_uid}, not {os.geteuid()}"
+        if st.st_mode & 0o077:
+            return f"mode {stat.S_IMODE(st.st_mode):o}, not 600"
+        if st.st_nlink != 1:
+            return f"{st.st_nlink} links (a hard link to another file?)"
+        if st.st_dev != os.stat(self.directory).st_dev:
+            return "not on the shared-memory file system"
+        if not 0 < st.st_size <= self.MAX_SEGMENT:
+            return f"size {st.st_size}"
+        return ""
 
     def close(self) -> None:
-        for m in self.maps.values():
-            try:
-                m.close()
-            except BufferError:
-                pass
-        self.maps.clear()
+        for fd, _ in self.fds.values():
+            os.close(fd)
+        self.fds.clear()

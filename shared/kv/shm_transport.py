@@ -16,12 +16,15 @@ table's write counts are exactly those of a NATS write, and so is the ack.
 A region is freed once its write was answered (applied, fenced or refused); a write that
 went unanswered may still be read, so its region is never reused (retired). When decode
 cannot open the segment (another /dev/shm after all), it refuses with SHM_REFUSED: that
-write is sent again over NATS, and so is every later one to that instance. No host, a
-full segment or `enabled=False` (prefill's --no-kv-shm): NATS.
+write is sent again over NATS, and so is every later one to that instance for RETRY_S.
+No host, a full segment or `enabled=False` (prefill's --no-kv-shm): NATS. Decode reads
+only the segment a writer announced in its heartbeat (Heartbeat.shm_segment), and
+copies each region out of it (shm.Segments).
 """
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 
 from shared import subjects
@@ -36,6 +39,7 @@ from .wire import Buffer
 
 log = logging.getLogger("pdmesh.kv")
 HEARTBEAT = Codec(Heartbeat)
+RETRY_S = 30.0          # a decode that refused the segment is tried again after this
 
 
 class ShmKvTransport:
@@ -46,7 +50,7 @@ class ShmKvTransport:
         self.size = size_bytes
         self.enabled = enabled and bool(self.host)
         self.hosts: dict[str, str] = {}          # decode instance -> its host (heartbeats)
-        self.refused: set[str] = set()
+        self.refused: dict[str, float] = {}     # decode instance -> when it refused
         self.arena: Arena | None = None
         self._regions: dict[int, tuple[memoryview, int]] = {}
         self.counters = {"kv_shm_writes": 0, "kv_shm_bytes": 0, "kv_shm_fallbacks": 0,
@@ -54,10 +58,29 @@ class ShmKvTransport:
 
     @classmethod
     async def create(cls, inner: NatsKvTransport, **kw) -> "ShmKvTransport":
+        """The segment is made now, so the first heartbeat announces it (decode reads
+        only announced segments)."""
         tx = cls(inner, **kw)
-        if tx.enabled:
+        if tx.enabled and tx._arena() is not None:
             await tx.rt.nc.subscribe(subjects.heartbeat("decode"), cb=tx._on_heartbeat)
         return tx
+
+    @property
+    def segment(self) -> str:
+        """The segment's name, for this writer's heartbeat ("" when off)."""
+        return self.arena.name if self.enabled and self.arena is not None else ""
+
+    def _arena(self):
+        if self.arena is None:
+            try:
+                sweep_dead()
+                self.arena = Arena(self.size)
+            except ShmUnavailable as e:
+                log.warning("shared-memory KV off: %s", e)
+                self.enabled = False
+                return None
+            weakref.finalize(self, self.arena.path.unlink, missing_ok=True)
+        return self.arena
 
     async def _on_heartbeat(self, msg) -> None:
         try:
@@ -71,21 +94,16 @@ class ShmKvTransport:
         return self.inner.max_payload
 
     def same_host(self, dest: str) -> bool:
-        return self.enabled and dest not in self.refused and self.hosts.get(dest) == self.host
+        refused = self.refused.get(dest)
+        if refused is not None and time.monotonic() - refused > RETRY_S:
+            del self.refused[dest]         # it may have heard our heartbeat by now
+            refused = None
+        return self.enabled and refused is None and self.hosts.get(dest) == self.host
 
     def alloc(self, dest: str, nbytes: int) -> memoryview | None:
         """A writable region for a write to dest, or None (send it over NATS)."""
-        if not self.same_host(dest):
+        if not self.same_host(dest) or self._arena() is None:
             return None
-        if self.arena is None:
-            try:
-                sweep_dead()
-                self.arena = Arena(self.size)
-            except ShmUnavailable as e:
-                log.warning("shared-memory KV off: %s", e)
-                self.enabled = False
-                return None
-            weakref.finalize(self, self.arena.path.unlink, missing_ok=True)
         off = self.arena.alloc(nbytes)
         if off is None:
             self.counters["kv_shm_fallbacks"] += 1
@@ -123,7 +141,7 @@ class ShmKvTransport:
             data = bytes(payload)
             self.arena.free(off)
             log.warning("decode %s cannot read shared memory (%s): NATS from now on", dest, e)
-            self.refused.add(dest)
+            self.refused[dest] = time.monotonic()
             self.counters["kv_shm_fallbacks"] += 1
             return await self.inner.send(dest, meta, data)
         self.arena.free(off)
