@@ -26,7 +26,7 @@ class KvWrite(msgspec.Struct, frozen=True, kw_only=True):
     # the attempt's PrefillDone (status OK, writes_issued 1) when this is its only write:
     # decode starts the request on it once the write has landed (no separate message)
     done: PrefillDone | None = None
-    # shared.kv.wire.write_digest: SHA-256 (128 bits, hex) over every field above and the
+    # shared.kv.wire.write_digest: BLAKE3 (128 bits, hex) over every field above and the
     # payload; decode checks it after the write was admitted and its size matched
     digest: str = ""
 

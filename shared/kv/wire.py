@@ -1,6 +1,6 @@
 """The KV wire: how KV blocks become message payloads and back, for every KV wire in pdmesh.
 
-A checksum and a digest (crc32 of raw bytes for kvstore; write_digest(), SHA-256 over a
+A checksum and a digest (crc32 of raw bytes for kvstore; write_digest(), BLAKE3 over a
 prefill -> decode write's header fields and payload), one header room, two payload layouts:
 
   write layout   prefill -> decode (KvWrite): kv[l0:l1, :, blocks] of the sender's pool,
@@ -71,20 +71,21 @@ DIGEST_BYTES = 16
 
 
 def write_digest(meta, data: Buffer) -> str:
-    """The digest of a prefill -> decode KV write (KvWrite.digest): SHA-256, truncated to
-    128 bits, over the write's every header field (request, attempt, sender, seq, block
-    ids, epochs, layers, dtype, shape, the PrefillDone it carries) and its payload. A
-    cryptographic hash: no flipped bits cancel out (the linear sum it replaces let two
-    sign flips through), and bytes cannot be moved to other blocks, layers or requests
-    under the same digest. SHA-256 runs at ~1.6 GB/s here (SHA extensions), BLAKE2b ~1."""
-    import hashlib
-
+    """The digest of a prefill -> decode KV write (KvWrite.digest): BLAKE3, 128 bits, over
+    the write's every header field (request, attempt, sender, seq, block ids, epochs,
+    layers, dtype, shape, the PrefillDone it carries) and its payload. A cryptographic
+    hash: no flipped bits cancel out (the linear sum it replaces let two sign flips
+    through), and bytes cannot be moved to other blocks, layers or requests under the
+    same digest. BLAKE3 (the reference implementation's Python binding) runs at ~6 GB/s
+    on one core here, SHA-256 at ~1.6 and BLAKE2b at ~1: on a 150 MB/s NATS path it
+    costs ~5% where SHA-256 cost ~20%."""
+    import blake3
     import msgspec
     head = msgspec.json.encode(msgspec.structs.replace(meta, digest=""))
-    h = hashlib.sha256(len(head).to_bytes(8, "little"))
+    h = blake3.blake3(len(head).to_bytes(8, "little"))
     h.update(head)
     h.update(data)
-    return h.digest()[:DIGEST_BYTES].hex()
+    return h.digest(DIGEST_BYTES).hex()
 
 
 def signed(meta, data: Buffer):
@@ -97,7 +98,7 @@ OFFLOAD_BYTES = 1 << 20     # a digest over more bytes than this runs off the lo
 
 
 async def digest_async(meta, data: Buffer) -> str:
-    """write_digest() without holding the event loop for a large payload (hashlib drops
+    """write_digest() without holding the event loop for a large payload (blake3 drops
     the GIL: a worker thread hashes while the loop serves other writes)."""
     if len(data) < OFFLOAD_BYTES:
         return write_digest(meta, data)
