@@ -287,7 +287,7 @@ def _spawn(args):
     log(f"starting a mesh: {args.prefill} prefill, {args.decode} decode, model {args.model}")
     t = time.perf_counter()
     cluster.start()
-    log(f"mesh up in {time.perf_counter() - t:.1f}s: {cluster.url} (nats {cluster.nats_url})")
+    log(f"mesh up in {time.perf_counter() - t:.1f}s: {cluster.url} (nats {cluster.nats.url})")
     return cluster
 
 

@@ -27,7 +27,6 @@ from shared.natsconn import NatsAuth
 
 USERS = (*subjects.IDENTITIES, subjects.DEBUG, subjects.ADMIN)
 ROUTE_USER = "route"
-RESPONSES = "allow_responses: {max: 1, expires: \"5m\"}"   # one reply per request received
 
 
 def _q(s: str) -> str:
@@ -39,10 +38,9 @@ def user_block(user: str, password: str) -> str:
     perms = subjects.permissions(user)
     pub = ", ".join(_q(s) for s in perms["publish"])
     sub = ", ".join(_q(s) for s in perms["subscribe"])
-    responses = "" if user in (subjects.DEBUG, subjects.ADMIN) else f"\n      {RESPONSES}"
     return (f"    {{user: {_q(user)}, password: {_q(password)}, permissions: {{\n"
             f"      publish: {{allow: [{pub}]}}\n"
-            f"      subscribe: {{allow: [{sub}]}}{responses}\n"
+            f"      subscribe: {{allow: [{sub}]}}\n"
             "    }}")
 
 

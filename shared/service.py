@@ -25,7 +25,7 @@ import nats
 from nats.micro import add_service
 from nats.micro.request import Request
 
-from shared import subjects, tracing
+from shared import replies, subjects, tracing
 from shared.contracts.common import Codec, ContractError, ErrorCode, ErrorReply, encode
 from shared.contracts.messages import Health, Heartbeat
 from shared.natsconn import NatsAuth, connect_kwargs
@@ -197,6 +197,7 @@ async def connect(url: str, name: str, wait_s: float = 60.0,
     reconnecting forever afterwards (a nats-server restart is survived). url: one server
     or a comma-separated list (a cluster: the client fails over to the others). auth:
     user/password and TLS CA (None: PDMESH_NATS_* from the environment)."""
+    replies.install()        # answer inboxes only, whatever a requester names
     opts = connect_kwargs(url, auth if auth is not None else NatsAuth.from_env())
     deadline = time.monotonic() + wait_s
     while True:

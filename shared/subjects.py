@@ -122,8 +122,9 @@ ALL = f"{PREFIX}.>"
 # Every service connects as its own NATS user (IDENTITIES); nats-server grants each exactly
 # what GRANTS and CONTROL say, publish and subscribe separately (pdmesh/creds.py renders it;
 # tests/test_subject_grants.py checks that every subject the code builds is here). Replies
-# are not listed: a request's replier answers on the requester's inbox, which the server
-# allows for one response (allow_responses), and each user's inbox is _INBOX.<user>.>.
+# go only to a caller's own inbox, _INBOX.<caller>.>, for the callers REPLIES_TO names (no
+# allow_responses: with it a requester chose where a service published its reply, and
+# the read-only debug user made services publish onto token, abort and KV subjects).
 ANY = "*"                   # any instance id in a pattern
 TOOLS = ("bench_raw",)      # subjects only pdmesh's own tools use (no service is granted them)
 IDENTITIES = ("gateway", "decode", "prefill", "kvstore")
@@ -200,6 +201,18 @@ def _consumer() -> list[str]:        # the prefill workers' durable pull consume
             _js("CONSUMER", "MSG", "NEXT", *c), f"$JS.ACK.{PREFILL_STREAM}.{PREFILL_CONSUMER}.>"]
 
 
+# whose requests each service answers (its replies may go to those inboxes only): gateway
+# submits and aborts at decode, prefill claims, writes KV and says done there, decode
+# reclaims at prefill, decode and prefill use kvstore, the gateway reads prefill's and
+# kvstore's STATS, debug asks everyone ($SRV, health), and a container's health check asks
+# its own service as that service's user
+REPLIES_TO: dict[str, tuple[str, ...]] = {
+    "gateway": (),
+    "decode": ("gateway", "prefill"),
+    "prefill": ("decode", "gateway"),
+    "kvstore": ("decode", "prefill", "gateway"),
+}
+
 # the nats.micro requests a service makes of another ($SRV.<verb>.<service>): the gateway's
 # /metrics reads kvstore's gauges and the prefill ranks' LayerSplit gauges
 SRV_REQUESTS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -219,6 +232,7 @@ def control(identity: str) -> tuple[list[str], list[str]]:
     pub = [_srv("PING", identity)]            # its container's health check finds it
     pub += {"decode": stream_info, "prefill": stream_info + _consumer()}.get(identity, [])
     pub += [_srv(verb, service) for verb, service in SRV_REQUESTS.get(identity, ())]
+    pub += [f"_INBOX.{caller}.>" for caller in (*REPLIES_TO.get(identity, ()), DEBUG, identity)]
     sub = [_srv(ANY), _srv(ANY, identity), f"{_srv(ANY, identity)}.{ANY}",   # micro serves
            f"_INBOX.{identity}.>"]
     return pub, sub

@@ -145,3 +145,48 @@ def test_each_identity_is_refused_outside_its_grant_and_the_mesh_serves(tiny_tar
     refused = [line for line in logs if line.startswith("[nats]") and "Violation" in line]
     assert refused and not [line for line in refused
                             if any(f':{s}:{s}_0"' in line for s in S.IDENTITIES)], refused
+
+
+def test_no_reply_can_be_aimed_at_another_subject(tiny_target, tiny_prompts):
+    """Issue 29: with allow_responses a requester chose where a service published its
+    reply, so the read-only debug user made services publish onto token, abort, KV and job
+    subjects. Replies now go only to inboxes: asked with a reply subject that is not one,
+    no service answers (shared/replies.py; the servers also allow each service only its
+    callers' inboxes), a spy sees nothing there, no job is queued, and the mesh answers
+    correctly."""
+    prompt = sum(tiny_prompts[:2], [])
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    (want,) = [o["token_ids"] for o in reference_engine(tiny_target).generate([prompt],
+                                                                               params)]
+    targets = [S.gateway_tokens("gateway_0"), S.decode_abort("decode_0"),
+               S.decode_kv("decode_0"), S.prefill_jobs(), S.heartbeat("decode")]
+    asks = [S.health(s, f"{s}_0") for s in S.IDENTITIES] + ["$SRV.PING", "$SRV.INFO"]
+    with Cluster(str(tiny_target), prefill=1, decode=1, **DET,
+                 overrides=det_overrides(mode="pd"), echo=False) as c:
+        async def run():
+            seen: list[str] = []
+            spy = await nats.connect(**c.client_options(S.DEBUG))
+
+            async def on_msg(msg) -> None:
+                if msg.subject in targets and not msg.subject.startswith("pdmesh.evt"):
+                    seen.append(msg.subject + " " + msg.data[:80].decode(errors="replace"))
+                elif msg.subject == S.heartbeat("decode") and b"instance_id" not in msg.data:
+                    seen.append(msg.subject)           # a reply, not a heartbeat
+            await spy.subscribe(">", cb=on_msg)
+            await spy.flush()
+            debug = await nats.connect(**c.client_options(S.DEBUG))
+            for ask in asks:
+                for target in targets:
+                    await debug.publish(ask, b"", reply=target)
+            await debug.flush()
+            await asyncio.sleep(1.0)
+            for nc in (spy, debug):        # what follows is the mesh's own traffic
+                await nc.close()
+            async with aiohttp.ClientSession() as http:
+                got = (await complete(http, c.url, prompt, "pd", temperature=0.0,
+                                      max_tokens=8, ignore_eos=True))[0]
+            return seen, got
+        seen, got = asyncio.run(run())
+        assert seen == [], seen
+        assert got == want
+        assert c.unexpected_exits() == []
