@@ -18,6 +18,8 @@ character only once all of its bytes have arrived.
 
 from __future__ import annotations
 
+import functools
+
 import hashlib
 import json
 import os
@@ -51,6 +53,13 @@ class Tokenizer:
         return cls(hf, path)
 
     # text <-> ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry, in characters of its vocabulary string (a byte-level
+        BPE's are one per byte): no token covers more characters of text, so a text of N
+        characters is at least N / max_token_chars tokens, known before tokenizing it."""
+        return max((len(t) for t in self.hf.get_vocab()), default=1) or 1
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
