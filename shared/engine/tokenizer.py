@@ -19,7 +19,6 @@ character only once all of its bytes have arrived.
 from __future__ import annotations
 
 import functools
-
 import hashlib
 import json
 import os
