@@ -10,7 +10,7 @@ import pytest
 from shared import subjects
 from shared.contracts.common import Codec, ContractError, encode
 from shared.contracts.kv import KvWrite
-from shared.contracts.messages import DecodeSubmit, KvDestination, PrefillJob
+from shared.contracts.messages import Abort, DecodeSubmit, KvDestination, PrefillJob
 from shared.contracts.reclaim import ClaimReply, PrefillClaim, Reclaim, ReclaimAck
 from shared.contracts.sampling import SamplingParams
 
@@ -81,3 +81,26 @@ def test_reclaim_messages_roundtrip():
         assert Codec(type(m)).decode(encode(m)) == m
     with pytest.raises(ContractError):
         Codec(ReclaimAck).decode(b'{"request_id": "r"}')
+
+
+def test_no_message_parses_as_another():
+    """Issue 29: decoders were lenient, so one message parsed as another (decode's
+    ClaimReply, aimed at its own abort subject, read as an Abort and aborted another
+    tenant's request). Every contract carries its type; a decoder refuses any other type,
+    and still takes a message without one (from a pdmesh before the tags)."""
+    import inspect
+
+    from shared.contracts import common, kv, kvcache, messages, reclaim
+
+    structs = [v for m in (common, kv, kvcache, messages, reclaim) for v in vars(m).values()
+               if inspect.isclass(v) and issubclass(v, msgspec.Struct)
+               and v.__module__ == m.__name__]     # defined there; not the value types
+    #                                          (SamplingParams, Constraint: inside messages)
+    assert len(structs) >= 20
+    assert all(s.__struct_config__.tag == s.__name__ for s in structs), \
+        [s.__name__ for s in structs if s.__struct_config__.tag != s.__name__]
+    reply = encode(ClaimReply(request_id="r-of-another-tenant", granted=True))
+    with pytest.raises(ContractError, match="type"):
+        Codec(Abort).decode(reply)
+    old = b'{"request_id": "r", "reason": "client"}'             # untagged, as before
+    assert Codec(Abort).decode(old).request_id == "r"

@@ -23,14 +23,14 @@ class ErrorCode(str, enum.Enum):
     ANOMALY = "anomaly_detected"             # the speculative monitor aborted the request
 
 
-class ErrorReply(msgspec.Struct, frozen=True, kw_only=True):
+class ErrorReply(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     v: int = VERSION
     code: ErrorCode
     message: str
     request_id: str | None = None
 
 
-class Ok(msgspec.Struct, frozen=True, kw_only=True):
+class Ok(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     v: int = VERSION
     request_id: str | None = None
 

@@ -12,7 +12,7 @@ from .common import VERSION, ContractError
 from .messages import PrefillDone
 
 
-class KvWrite(msgspec.Struct, frozen=True, kw_only=True):
+class KvWrite(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     request_id: str
     epochs: list[int]
     block_ids: list[int]
@@ -53,7 +53,7 @@ _ENC = msgspec.json.Encoder()
 _DEC = msgspec.json.Decoder(KvWrite)
 
 
-class KvWriteAck(msgspec.Struct, frozen=True, kw_only=True):
+class KvWriteAck(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     v: int = VERSION
     request_id: str
     seq: int

@@ -15,23 +15,23 @@ import msgspec
 from .common import VERSION, ContractError
 
 
-class KvLookup(msgspec.Struct, frozen=True, kw_only=True):
+class KvLookup(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     v: int = VERSION
     keys: list[str]
 
 
-class KvLookupReply(msgspec.Struct, frozen=True, kw_only=True):
+class KvLookupReply(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     v: int = VERSION
     hits: int                 # leading keys held in L2 or L3
 
 
-class KvFetch(msgspec.Struct, frozen=True, kw_only=True):
+class KvFetch(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """Open a load: kvstore reads (and verifies) the blocks, then serves them layer by layer."""
     v: int = VERSION
     keys: list[str]
 
 
-class KvFetchReply(msgspec.Struct, frozen=True, kw_only=True):
+class KvFetchReply(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     v: int = VERSION
     load_id: str
     instance_id: str          # pull the layers from this kvstore instance
@@ -40,7 +40,7 @@ class KvFetchReply(msgspec.Struct, frozen=True, kw_only=True):
     num_layers: int = 0
 
 
-class KvLayerPull(msgspec.Struct, frozen=True, kw_only=True):
+class KvLayerPull(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """-> raw payload: layer `layer` of blocks [b0, b1) of the load, concatenated;
     header Pdmesh-checksums: their crc32s (JSON list)."""
     v: int = VERSION
@@ -51,7 +51,7 @@ class KvLayerPull(msgspec.Struct, frozen=True, kw_only=True):
     last: bool = False        # the loader's final pull: the load can be closed
 
 
-class KvPut(msgspec.Struct, frozen=True, kw_only=True):
+class KvPut(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """Write-back, metadata in headers. Payload: for each block, its layers in order,
     each layer_bytes long. checksums[i][l]: crc32 of block i's layer l."""
     keys: list[str]
@@ -78,7 +78,7 @@ class KvPut(msgspec.Struct, frozen=True, kw_only=True):
             raise ContractError(f"bad KV put headers: {e!r}") from e
 
 
-class KvPutAck(msgspec.Struct, frozen=True, kw_only=True):
+class KvPutAck(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     v: int = VERSION
     stored: int
     rejected: int             # checksum mismatch or malformed: not indexed

@@ -28,7 +28,7 @@ class FinishReason(str, enum.Enum):
     PREFILL_DONE = "prefill_done"    # engine-internal: a prefill-only request's first token
 
 
-class DecodeSubmit(msgspec.Struct, frozen=True, kw_only=True):
+class DecodeSubmit(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """gateway -> decode: serve this request, stream TokenChunks to reply_subject."""
     v: int = VERSION
     request_id: str
@@ -46,14 +46,14 @@ class DecodeSubmit(msgspec.Struct, frozen=True, kw_only=True):
     #                                   key (L1, L2, L3), so tenants never share KV blocks
 
 
-class SubmitAck(msgspec.Struct, frozen=True, kw_only=True):
+class SubmitAck(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     v: int = VERSION
     request_id: str
     path: Path
     incarnation: str = ""             # the accepting process (Heartbeat.incarnation)
 
 
-class KvDestination(msgspec.Struct, frozen=True, kw_only=True):
+class KvDestination(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """Where prefill writes: decode instance, its blocks, and each block's epoch.
     skip_blocks: leading prompt blocks decode already holds (its prefix cache); block_ids
     receive the prompt's blocks from there on."""
@@ -63,7 +63,7 @@ class KvDestination(msgspec.Struct, frozen=True, kw_only=True):
     skip_blocks: int = 0
 
 
-class PrefillJob(msgspec.Struct, frozen=True, kw_only=True):
+class PrefillJob(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """decode -> (JetStream) -> prefill. Carries everything that affects generation."""
     v: int = VERSION
     request_id: str
@@ -84,7 +84,7 @@ class PrefillStatus(str, enum.Enum):
     FAILED = "failed"
 
 
-class PrefillDone(msgspec.Struct, frozen=True, kw_only=True):
+class PrefillDone(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """prefill -> decode, once no KV write of the attempt is in flight: OK after every
     write was acknowledged, FAILED otherwise (writes_issued still counts every write sent,
     so decode knows how many may still land)."""
@@ -104,7 +104,7 @@ class PrefillDone(msgspec.Struct, frozen=True, kw_only=True):
     cached_tokens: int = 0            # prompt tokens served from a prefix cache (not computed)
 
 
-class TokenChunk(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+class TokenChunk(msgspec.Struct, tag=True, frozen=True, kw_only=True, omit_defaults=True):
     """decode -> gateway: new tokens of one request (one chunk per engine step)."""
     v: int = VERSION
     request_id: str
@@ -128,7 +128,7 @@ class TokenChunk(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     anomaly_rule: str = ""            # with error ANOMALY: the monitor rule that fired
 
 
-class AnomalyEvent(msgspec.Struct, frozen=True, kw_only=True):
+class AnomalyEvent(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """decode -> pdmesh.evt.request.anomaly: the speculative monitor aborted a request
     (invariant 5). accept_length = (accepted + steps) / steps, accept_rate = accepted /
     proposed, both over the request so far."""
@@ -157,13 +157,13 @@ class AbortReason(str, enum.Enum):
     DISPATCH_FAILED = "dispatch_failed"
 
 
-class Abort(msgspec.Struct, frozen=True, kw_only=True):
+class Abort(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     v: int = VERSION
     request_id: str
     reason: str = AbortReason.CLIENT.value
 
 
-class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
+class Heartbeat(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     v: int = VERSION
     service: str
     instance_id: str
@@ -189,7 +189,7 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True):
     #                                   no other segment for it (shared/kv/shm.py)
 
 
-class Health(msgspec.Struct, frozen=True, kw_only=True):
+class Health(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     v: int = VERSION
     service: str
     instance_id: str

@@ -16,7 +16,7 @@ import msgspec
 from .common import VERSION
 
 
-class PrefillClaim(msgspec.Struct, frozen=True, kw_only=True):
+class PrefillClaim(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """prefill -> decode: this attempt wants to write the job's destination blocks."""
     v: int = VERSION
     request_id: str
@@ -26,14 +26,14 @@ class PrefillClaim(msgspec.Struct, frozen=True, kw_only=True):
     epochs: list[int]
 
 
-class ClaimReply(msgspec.Struct, frozen=True, kw_only=True):
+class ClaimReply(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     v: int = VERSION
     request_id: str
     granted: bool
     reason: str = ""               # why not: "unknown request", "not awaiting KV", ...
 
 
-class Reclaim(msgspec.Struct, frozen=True, kw_only=True):
+class Reclaim(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """decode -> prefill: stop writing this attempt's KV; answer once nothing is in flight."""
     v: int = VERSION
     request_id: str
@@ -42,7 +42,7 @@ class Reclaim(msgspec.Struct, frozen=True, kw_only=True):
     reason: str = ""
 
 
-class ReclaimAck(msgspec.Struct, frozen=True, kw_only=True):
+class ReclaimAck(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """prefill -> decode. owner=True: the attempt is known here, will issue no more writes,
     and every write it issued has completed (acknowledged or failed); writes_issued counts
     them all. owner=False: this process does not know the attempt (it restarted, or never
