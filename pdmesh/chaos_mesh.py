@@ -8,6 +8,7 @@ import time
 from typing import TYPE_CHECKING
 
 from shared import micro
+from shared.natsconn import connect_kwargs
 
 if TYPE_CHECKING:
     from .chaos import ChaosConfig
@@ -44,7 +45,7 @@ async def wait_writing(nats_url: str, instance_id: str, within_s: float) -> int:
     """Until the prefill instance has KV writes in flight (or within_s passed); how many."""
     import nats
 
-    nc = await nats.connect(nats_url)
+    nc = await nats.connect(**connect_kwargs(nats_url))   # the URL's user, its own inbox
     try:
         deadline = time.monotonic() + within_s
         while True:
@@ -61,7 +62,7 @@ async def wait_writing(nats_url: str, instance_id: str, within_s: float) -> int:
 async def decode_stats(nats_url: str, prefill: int) -> dict:
     import nats
 
-    nc = await nats.connect(nats_url)
+    nc = await nats.connect(**connect_kwargs(nats_url))
     try:
         return {"decode": await micro.service_stats(nc, "decode", expect=1),
                 "prefill": await micro.service_stats(nc, "prefill", expect=prefill or None)}

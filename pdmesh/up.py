@@ -109,7 +109,7 @@ def _debug_hint(cluster) -> str:
     tls = f" --tlsca {s.tls.ca}" if s.tls else ""
     server = cluster.nats.url.split(",")[0]
     return (f"  NATS_PASSWORD=\"$(cat {s.password_file('debug')})\" nats -s {server} "
-            f"--user debug{tls} sub 'pdmesh.>'   # nats CLI, read-only\n")
+            f"--user debug --inbox-prefix _INBOX.debug{tls} micro ls   # nats CLI, read-only\n")
 
 
 def _probe(url: str) -> tuple[str, str | None]:

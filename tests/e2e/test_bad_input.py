@@ -115,7 +115,7 @@ async def _refused(e) -> None:
 
 def test_micro_discovery_finds_all_four_services(mesh):
     async def run():
-        nc = await nats.connect(mesh.nats_url)
+        nc = await nats.connect(**mesh.client_options())    # debug, its own inbox prefix
         inbox = nc.new_inbox()
         names = []
 

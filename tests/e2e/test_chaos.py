@@ -18,6 +18,7 @@ from pdmesh.chaos import ONE_WRITE, ChaosConfig, headline, run
 from pdmesh.cluster import Cluster
 from shared import micro
 from shared.contracts.sampling import SamplingParams
+from shared.natsconn import connect_kwargs
 
 from .conftest import DET, det_overrides, reference_engine
 from .helpers import complete
@@ -108,7 +109,7 @@ def test_reclaim_stops_writes_and_a_dead_owner_is_covered_by_the_lease(tiny_targ
 
 async def stats(nats_url: str, service: str) -> dict:
     """The STATS data of the (single) instance of a service, nested values included."""
-    nc = await nats.connect(nats_url)
+    nc = await nats.connect(**connect_kwargs(nats_url))    # the URL's user, its inbox
     try:
         found = await micro.stats(nc, service, wait_s=0.2)
     finally:
