@@ -22,7 +22,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 from shared import subjects, tracing
 from shared.contracts.common import Codec, ContractError, ErrorCode, Ok, encode
-from shared.contracts.kv import KvWrite, KvWriteAck
 from shared.contracts.messages import (
     Abort,
     AbortReason,
@@ -50,7 +49,8 @@ from shared.service import ServiceError, ServiceRuntime, new_instance_id
 
 from . import inject
 from .config import DecodeConfig
-from .jobs import carried_done, make_prefill_job
+from .jobs import make_prefill_job
+from .kvwrites import KvWrites
 from .lifecycle import Next, RequestTable
 from .monitor import RULES, AnomalyMonitor
 from .orphans import GatewayWatch
@@ -95,6 +95,8 @@ class DecodeService:
                                   self.write_back)
         self.writeback = None
         self.kv_rx: NatsKvTransport | None = None    # KV writes in (start())
+        kv_writes = KvWrites(self)
+        self.admits, self.on_kv_write = kv_writes.admits, kv_writes.on_write
         self.spans = tracing.Spans("decode")     # await_kv, generate: per request (if on)
         if peers is not None:
             self.connect(peers)
@@ -281,28 +283,6 @@ class DecodeService:
         granted, why = self.table.claim(c.request_id, c.attempt, c.prefill_instance,
                                         c.block_ids, c.epochs)
         return encode(ClaimReply(request_id=c.request_id, granted=granted, reason=why))
-
-    def admits(self, w: KvWrite) -> bool:
-        """May this write land, judged on its header alone (before any byte is read)?"""
-        return (self.table.granted(w.request_id, w.attempt or w.sender, w.block_ids)
-                and self.slots.fence_holds(w))
-
-    async def on_kv_write(self, w: KvWrite, payload) -> KvWriteAck:
-        """payload None: admits() refused it (counted, never applied)."""
-        attempt = w.attempt or w.sender
-        self.table.write(w.request_id, attempt)                 # counted, landed or not
-        try:
-            landed = (self.table.may_land(w.request_id, attempt, w.block_ids)
-                      and payload is not None and self.slots.write(w, payload))
-        except ValueError as e:
-            raise ServiceError(ErrorCode.INVALID_REQUEST, str(e), w.request_id) from e
-        finally:
-            self.reclaimer.release_if_settled(w.request_id)
-        self.counters["kv_writes_applied" if landed else "kv_writes_fenced"] += 1
-        self.counters["kv_bytes"] += len(payload) if landed else 0
-        if w.done is not None:     # the attempt's only write: its PrefillDone rides along
-            await self.on_prefill_done(carried_done(w, landed, attempt))
-        return KvWriteAck(request_id=w.request_id, seq=w.seq, applied=landed)
 
     async def on_prefill_done(self, done: PrefillDone) -> bytes:
         """An attempt has stopped writing (its PrefillDone, on its own or in its write)."""

@@ -21,6 +21,9 @@ fit in one NATS message (`check_fits`).
     stop_token_ids  MAX_STOP_TOKEN_IDS ids
     logit_bias      MAX_LOGIT_BIAS entries (OpenAI's limit)
     cache_salt      MAX_CACHE_SALT characters
+    text            a prompt or chat of more characters than the window's tokens can hold
+                    (max_model_len x the tokenizer's longest token) is refused before it is
+                    tokenized (check_text_budget)
 Sampling ranges that keep the logits finite live with the params (SamplingParams.check).
 """
 from __future__ import annotations
@@ -180,3 +183,27 @@ class SchemaBudget:
 def _complex(param: str, what: str) -> OpenAIError:
     return OpenAIError(400, f"'{param}' is too complex for constrained decoding: {what}",
                        param, code="schema_too_complex")
+
+
+def text_chars(obj) -> int:
+    """Characters of every string in a JSON-like value (what a template renders)."""
+    if isinstance(obj, str):
+        return len(obj)
+    if isinstance(obj, dict):
+        return sum(text_chars(k) + text_chars(v) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return sum(text_chars(v) for v in obj)
+    return 0
+
+
+def check_text_budget(chars: int, spec, param: str) -> None:
+    """400 before tokenizing a text that cannot fit the context window whatever it
+    tokenizes to: at least chars / max_token_chars tokens (issue 29: an 8 MiB body cost ~5 s
+    of the one tokenizer thread before its 400, and every other tenant waited)."""
+    per = getattr(spec.tokenizer, "max_token_chars", None)
+    if isinstance(per, int) and per > 0 and chars > spec.max_model_len * per:
+        raise OpenAIError(400, f"This model's maximum context length is {spec.max_model_len} "
+                               f"tokens. However, your {param} has {chars} characters, more "
+                               f"than any text of {spec.max_model_len} tokens can have "
+                               f"({per} characters a token at most). Please reduce the "
+                               f"length of the {param}.", param, code="context_length_exceeded")

@@ -18,7 +18,7 @@ import msgspec
 from shared.contracts.constraint import Constraint
 from shared.contracts.sampling import SamplingParams
 
-from .limits import check_cache_salt, check_logit_bias, check_stop
+from .limits import check_cache_salt, check_logit_bias, check_stop, check_text_budget, text_chars
 from .model import ModelSpec
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, OpenAIError
 from .structured import TOOL_KINDS, tools_and_format
@@ -82,7 +82,7 @@ def prepare_chat(req: ChatCompletionRequest, spec: ModelSpec) -> Prepared:
     requested = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
     params = _sampling(req, spec, requested, max_param, logprobs, chat=True)
 
-    _check_text_budget(_chars(messages) + _chars(tools), spec, "messages")
+    check_text_budget(text_chars(messages) + text_chars(tools), spec, "messages")
     try:
         prompt_ids = spec.tokenizer.encode_chat(messages, tools=tools)
     except _template_errors() as e:
@@ -113,7 +113,7 @@ def parse_completion(body: bytes, spec: ModelSpec) -> Prepared:
 
     text, ids = _prompt(req.prompt)
     if text is not None:
-        _check_text_budget(len(text), spec, "prompt")
+        check_text_budget(len(text), spec, "prompt")
         ids = spec.tokenizer.encode(text, add_special_tokens=True)
         if not ids:
             raise OpenAIError(400, "'prompt' encodes to no tokens", "prompt")
@@ -336,30 +336,6 @@ def _check(params: SamplingParams, spec: ModelSpec, max_param: str, chat: bool) 
         param = {"max_tokens": max_param, "logprobs": "top_logprobs" if chat else "logprobs",
                  "token": None}.get(field, field)
         raise OpenAIError(400, str(e), param) from None
-
-
-def _chars(obj) -> int:
-    """Characters of every string in a JSON-like value (what a template renders)."""
-    if isinstance(obj, str):
-        return len(obj)
-    if isinstance(obj, dict):
-        return sum(_chars(k) + _chars(v) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)):
-        return sum(_chars(v) for v in obj)
-    return 0
-
-
-def _check_text_budget(chars: int, spec: ModelSpec, param: str) -> None:
-    """400 before tokenizing a text that cannot fit the context window whatever it
-    tokenizes to: at least chars / max_token_chars tokens (issue 29: an 8 MiB body cost ~5 s
-    of the one tokenizer thread before its 400, and every other tenant waited)."""
-    per = getattr(spec.tokenizer, "max_token_chars", None)
-    if isinstance(per, int) and per > 0 and chars > spec.max_model_len * per:
-        raise OpenAIError(400, f"This model's maximum context length is {spec.max_model_len} "
-                               f"tokens. However, your {param} has {chars} characters, more "
-                               f"than any text of {spec.max_model_len} tokens can have "
-                               f"({per} characters a token at most). Please reduce the "
-                               f"length of the {param}.", param, code="context_length_exceeded")
 
 
 def _fit_context(n_prompt: int, requested: int | None, window: int, prompt_name: str,
