@@ -72,9 +72,7 @@ async def check_stream(nats_url: str, timeout_s: float) -> str | None:
     except ConnectionError as e:
         return str(e)
     try:
-        info = await nc.jetstream(timeout=timeout_s).stream_info(subjects.PREFILL_STREAM)
-        changed = jobstream.drift(info.config, jobstream.stream_config(
-            info.config.num_replicas or 1))
+        changed = await jobstream.stream_drift(nc.jetstream(timeout=timeout_s))
         return f"job stream differs in {', '.join(changed)}" if changed else None
     except Exception as e:  # noqa: BLE001 - missing, no JetStream
         return f"job stream: {e!r}"

@@ -42,9 +42,7 @@ class StreamKeeper:
         """One look at the stream; repairs it when it is missing or changed."""
         js = self.nc.jetstream(timeout=self.every_s)
         try:
-            info = await js.stream_info(jobstream.subjects.PREFILL_STREAM)
-            if not jobstream.drift(info.config, jobstream.stream_config(
-                    max(info.config.num_replicas or 1, 1))):
+            if not await jobstream.stream_drift(js):
                 return
         except jobstream.NotFoundError:
             pass

@@ -76,6 +76,13 @@ def drift(have: StreamConfig, want: StreamConfig) -> list[str]:
     return out
 
 
+async def stream_drift(js: JetStreamContext) -> list[str]:
+    """How the stream as it is differs from stream_config at its own replica count
+    (NotFoundError when there is none): the keeper's check and the health check."""
+    have = (await js.stream_info(subjects.PREFILL_STREAM)).config
+    return drift(have, stream_config(have.num_replicas or 1))
+
+
 async def ensure_stream(js: JetStreamContext, replicas: int | None = None,
                         wait_s: float = 30.0) -> int:
     """ADMIN only. Create the stream if it is missing, or bring an existing one back to
