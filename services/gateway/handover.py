@@ -7,10 +7,10 @@ HTTP/1.1 keep-alive makes it delicate: a client may send its next request on a c
 it holds the moment this gateway closes that connection, and a POST is not retried (closing
 the idle ones at once failed 6-16 of 48 requests in a rolling restart under 16 streams). So,
 from `begin()` on, no connection is closed under a client: every response says `Connection:
-close` (the response being written when it began closes its connection after it; a request
-that still arrives on a kept-alive connection is served, and its answer closes it), and the
-gateway drains until no request has been served for QUIET_S. Only connections idle since
-before the hand-over are still open then.
+close` in its header and closes its connection after it; a response begun before keeps its
+connection open (its header promised keep-alive), and a request that still arrives on such
+a connection is served and its answer closes it. The gateway drains until no request has
+been served for QUIET_S; only connections idle since then are still open, and closed.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import asyncio
 import time
 from collections import Counter
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 QUIET_S = 0.5
 
@@ -42,8 +42,13 @@ class Handover:
             self.last_request = time.monotonic()
 
     async def on_prepare(self, _request: web.Request, response: web.StreamResponse) -> None:
+        """Say `Connection: close` in the header, not only close after: aiohttp computes the
+        header before this signal, so force_close() alone closed a connection whose client
+        had been told keep-alive, and had its next request on it reset (issue 28: 4-9 of 48
+        in a rolling restart)."""
         if self.on:
-            response.force_close()           # Connection: close
+            response.force_close()
+            response.headers[hdrs.CONNECTION] = "close"
 
     def begin(self) -> None:
         """Hand over: from now on every response closes its connection."""

@@ -144,14 +144,6 @@ def test_rolling_restart_under_load_costs_no_request(up, refs, tiny_prompts, ser
         assert "rolling restart done" in out
 
     load = run(up, under_load(m, tiny_prompts, fault))
-    if service == "gateway":
-        # Known gap (issue 28's closing note): on this 7-process mesh, a few keep-alive
-        # clients get their connection reset around the hand-over (scripts/faults_bench.py:
-        # 4-9 of 48); every request the gateway answered is complete and correct, none gets
-        # an HTTP error or an error event
-        assert all(r["status"] == 0 for r in load.failed()), load.failed()[:3]
-        assert load.wrong(refs) == []
-        return
     check(load, refs, m)
     if service == "decode":    # drain_timeout_s=0: the streams of each drained decode moved
         assert _sample(run(up, m.metrics()), handed_on) > before
