@@ -9,7 +9,7 @@ from kernels.cpu_ops.build import load
 from kernels.cpu_ops.ref import dequant_rows_ref, quant_rows_ref
 
 __all__ = ["quant_rows", "dequant_rows", "quant_rows_ref", "dequant_rows_ref",
-           "decode_attention", "row_attention", "load"]
+           "decode_attention", "row_attention", "rows_attention", "load"]
 
 
 def quant_rows(x: torch.Tensor, inv: torch.Tensor | None = None, u8: bool = False):
@@ -49,3 +49,12 @@ def row_attention(q, kf, vf, slots: torch.Tensor, scale: float):
     if mod is None or not _in_place(q, kf, vf):
         return None
     return mod.slots_decode(q, kf, vf, slots, scale)
+
+
+def rows_attention(q, kf, vf, slots: torch.Tensor, scale: float):
+    """The last n rows of a sequence, q [n, Hq, D], each attended exactly as row_attention
+    attends it alone (ops.cpp: slots_causal) -> [n, Hq, D], or None (as decode_attention)."""
+    mod = load()
+    if mod is None or not _in_place(q, kf, vf):
+        return None
+    return mod.slots_causal(q, kf, vf, slots, scale)

@@ -278,6 +278,40 @@ torch::Tensor slots_decode(const torch::Tensor& q, const torch::Tensor& kf,
   return out;
 }
 
+// n query rows q [n, Hq, D] of one sequence, the last n of its ctx = slots.numel()
+// positions: row i attends slots[0, ctx - n + i] exactly as slots_decode attends one
+// decode row (deterministic mode: a position's output does not depend on how many rows
+// were computed with it, so a prefill's KV is bit for bit the decode steps' KV)
+torch::Tensor slots_causal(const torch::Tensor& q, const torch::Tensor& kf,
+                           const torch::Tensor& vf, const torch::Tensor& slots, double scale) {
+  TORCH_CHECK(q.dim() == 3 && kf.dim() == 3 && kf.is_contiguous() && vf.is_contiguous() &&
+                  kf.sizes() == vf.sizes() && kf.scalar_type() == q.scalar_type() &&
+                  vf.scalar_type() == q.scalar_type(),
+              "slots_causal: q [n, Hq, D] and contiguous caches [NS, Hkv, D] of q's dtype");
+  const int64_t n = q.size(0), Hq = q.size(1), D = q.size(2), NS = kf.size(0),
+                Hkv = kf.size(1);
+  TORCH_CHECK(kf.size(2) == D && Hkv > 0 && Hq % Hkv == 0, "slots_causal: head shapes");
+  auto sc = slots.to(torch::kLong).contiguous();
+  const int64_t* s = sc.data_ptr<int64_t>();
+  const int64_t ctx = sc.numel();
+  TORCH_CHECK(n <= ctx, "slots_causal: more rows than context");
+  for (int64_t i = 0; i < ctx; ++i)
+    TORCH_CHECK(s[i] >= 0 && s[i] < NS, "slots_causal: slot out of range");
+  auto qc = q.contiguous();
+  auto out = torch::empty({n, Hq, D}, qc.options());
+  const int64_t row = Hkv * D;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "slots_causal", [&] {
+    auto rows = [&](int64_t l) { return s[l] * row; };
+    at::parallel_for(0, n, 1, [&](int64_t i0, int64_t i1) {   // rows are independent
+      for (int64_t i = i0; i < i1; ++i)
+        attend_one(qc.data_ptr<scalar_t>() + i * Hq * D, kf.data_ptr<scalar_t>(),
+                   vf.data_ptr<scalar_t>(), ctx - n + i + 1, Hq, Hkv, D,
+                   static_cast<float>(scale), rows, out.data_ptr<scalar_t>() + i * Hq * D);
+    });
+  });
+  return out;
+}
+
 // kv_copy.cpp: the KV wire's gather, scatter and checksum words
 void kv_gather(const torch::Tensor& kv, const std::vector<int64_t>& ids, int64_t l0,
                int64_t l1, py::buffer out);
@@ -289,6 +323,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("inv") = py::none(), py::arg("u8") = false);
   m.def("paged_decode", &paged_decode, "decode attention over a paged cache, in place");
   m.def("slots_decode", &slots_decode, "one decode row over flat slots, in place");
+  m.def("slots_causal", &slots_causal, "n rows, each as its own decode row, in place");
   m.def("dequant_rows", &dequant_rows, "int32 GEMM result * sx[m] * sw[n] -> dtype");
   m.def("kv_gather", &kv_gather, "pool blocks x layers -> a KV write's payload buffer");
   m.def("kv_scatter", &kv_scatter, "a KV write's payload -> pool blocks x layers, in place");

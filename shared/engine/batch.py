@@ -5,7 +5,8 @@ Rows come in two kinds:
                row at its own position), attended together in one batched paged-attention
                call; they come first;
   chunks       prompt chunks (and, in deterministic mode, every step), attended per
-               sequence over exactly that sequence's context (SeqSpan).
+               sequence over exactly that sequence's context (SeqSpan); in deterministic
+               mode each row as its own decode step attends it (SeqSpan.rowwise).
 On CPU, single-token decode rows go through the chunk path too (one small attention per
 sequence on its exact context) when their contexts average PER_SEQUENCE_CTX tokens or
 more: the batched call pads every sequence to the longest context and copies it all to
@@ -95,10 +96,10 @@ def _add(rows: _Rows, s: Scheduled, cfg: EngineConfig, chunk: bool) -> None:
         ctx = s.start + s.rows
         bt = torch.tensor(seq.block_table, dtype=torch.long)
         ctx_slots = (bt.unsqueeze(1) * bs + torch.arange(bs)).flatten()[:ctx]
-        if cfg.deterministic and s.drafts:   # each row exactly as its own decode step computes it
-            rows.spans += [SeqSpan(row + j, 1, i + 1, ctx_slots[:i + 1]) for j, i in enumerate(p)]
-        else:
-            rows.spans.append(SeqSpan(row, s.rows, ctx, ctx_slots, seq.request_id))
+        # deterministic mode: each row (prompt, token or draft) exactly as its own decode
+        # step computes it, so no position's KV depends on how it was computed
+        rows.spans.append(SeqSpan(row, s.rows, ctx, ctx_slots, seq.request_id,
+                                  rowwise=cfg.deterministic))
     if s.samples:
         end = row + s.rows
         rows.logits += range(end - 1 - len(s.drafts), end)

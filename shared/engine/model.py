@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_ops import load as cpu_ops_loaded, row_attention
+from kernels.cpu_ops import load as cpu_ops_loaded, row_attention, rows_attention
 from kernels.kv_cache import plan_slots, write_kv
 from kernels.paged_attention import paged_attention_decode, plan_decode
 
@@ -38,6 +38,7 @@ class SeqSpan:
     context_len: int
     ctx_slots: torch.Tensor  # [context_len] int64 flat slots of positions 0..context_len-1
     request_id: str = ""     # whose rows (layer listeners stream a request's KV by it)
+    rowwise: bool = False    # deterministic mode: each row as its own decode step attends
 
 
 @dataclass(slots=True)
@@ -214,6 +215,8 @@ class Model:
 
     def _span(self, q, kf, vf, s: SeqSpan) -> torch.Tensor:
         """Rows of one sequence attended over exactly its context: [n, Hq, D]."""
+        if s.rowwise and s.n > 1:
+            return self._rowwise(q, kf, vf, s)
         if s.n == 1 and not q.is_cuda:
             return self._one_row(q[s.start], kf, vf, s.ctx_slots)
         qs = q[s.start:s.start + s.n].transpose(0, 1).unsqueeze(0)         # [1, Hq, n, D]
@@ -231,6 +234,19 @@ class Model:
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal,
                                            scale=self.scale, enable_gqa=True)
         return o[0].transpose(0, 1)
+
+    def _rowwise(self, q, kf, vf, s: SeqSpan) -> torch.Tensor:
+        """Each row of the span exactly as a decode step of that position attends it
+        (deterministic mode): a prompt's KV is then bit for bit the KV its tokens get when
+        generated one by one, so a migrated request (prompt + tokens so far, recomputed as
+        a prefill) goes on as the uninterrupted one, and a chunk split changes nothing."""
+        out = rows_attention(q[s.start:s.start + s.n], kf, vf, s.ctx_slots, self.scale)
+        if out is not None:
+            return out
+        first = s.context_len - s.n
+        return torch.cat([self._span(q, kf, vf, SeqSpan(s.start + i, 1, first + i + 1,
+                                                        s.ctx_slots[:first + i + 1]))
+                          for i in range(s.n)])
 
     def _one_row(self, q, kf, vf, ctx_slots: torch.Tensor) -> torch.Tensor:
         """One query row (a decode step) over its context, [1, Hq, D]: two float32 bmms
@@ -288,8 +304,7 @@ def kv_pool(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dty
 def to_device(input_ids: torch.Tensor, meta: BatchMeta, device: torch.device):
     """A batch built on the host (batch.py, spec/runner.py) moved to the model's device."""
     mv = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-    spans = [SeqSpan(s.start, s.n, s.context_len, mv(s.ctx_slots), s.request_id)
-             for s in meta.spans]
+    spans = [dataclasses.replace(s, ctx_slots=mv(s.ctx_slots)) for s in meta.spans]
     meta = dataclasses.replace(meta, positions=mv(meta.positions),
                                slot_mapping=mv(meta.slot_mapping),
                                block_tables=mv(meta.block_tables),
