@@ -73,7 +73,8 @@ SERVICES = ("kvstore", "prefill", "decode", "gateway")   # start order (all at o
 class Cluster:
     def __init__(self, model: str, prefill: int = 1, decode: int = 1, *, prefill_group: int = 0,
                  host: str = "127.0.0.1", port: int = 0, nats_port: int = 0,
-                 nats_http_port: int | None = None, nats_cluster: int = 1,
+                 nats_http_port: int | None = None, nats_host: str = "127.0.0.1",
+                 nats_cluster: int = 1,
                  nats_auth: bool = True, nats_tls: bool = False,
                  dtype: str | None = None,
                  deterministic: bool | None = None, mode: str | None = None,
@@ -90,6 +91,7 @@ class Cluster:
         sets fields of that instance only, over its service's. echo: True prints `[name] line`
         to stdout, False prints nothing, or a stream / callable that takes each prefixed line.
         nats_cluster: nats-servers (3: a JetStream cluster; services get every URL).
+        nats_host: the address they listen on (services here reach them on 127.0.0.1).
         nats_auth: each service its own NATS user, granted only its subjects (pdmesh.creds;
         nats_url then carries the read-only debug user). nats_tls: a CA and certificates,
         every client verifies the servers. supervise: once started, a child that exits
@@ -102,6 +104,7 @@ class Cluster:
         self.host, self.port = host, port
         self.prefill_group = prefill_group
         self.nats_port, self.nats_http_port = nats_port, nats_http_port
+        self.nats_host = nats_host
         if nats_cluster < 1:
             raise ValueError("nats_cluster must be >= 1")
         self.nats_cluster = nats_cluster
@@ -278,7 +281,8 @@ class Cluster:
             self.secrets = Secrets.create(self.tmp / "secrets", auth=self.nats_auth,
                                           tls=self.nats_tls)
         self.nats = NatsGroup(self.nats_cluster, self.tmp, port=self.nats_port,
-                              http_port=self.nats_http_port, secrets=self.secrets)
+                              http_port=self.nats_http_port, secrets=self.secrets,
+                              listen_host=self.nats_host)
         self.nats_port = self.nats.nodes[0].port
         self.procs.update(self.nats.procs)
         await self.nats.start(self._emit, self.log_dir)

@@ -163,6 +163,30 @@ class UpMesh:
             await nc.close()
         return any(i.instance_id == f"{service}_{index}" for i in found)
 
+    def spawn_like(self, child: str, instance_id: str, nats_host: str = "127.0.0.1",
+                   wrap=lambda argv: argv) -> subprocess.Popen:
+        """One more instance of child's service, as an operator adds one by hand on another
+        host: child's own command line and environment (its NATS user and password file),
+        a new instance id, its NATS URLs' host replaced by nats_host (how that host reaches
+        this mesh's nats-server: pdmesh up --nats-host), run through wrap(argv) (e.g.
+        netlab.Host.command). Its output goes to <run dir>/<instance_id>.log. Not
+        supervised: the caller stops it."""
+        pid = self.pid(child)
+        argv = [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
+        env = dict(kv.decode().split("=", 1) for kv in
+                   Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in kv)
+        for flag, value in (("--instance-id", instance_id), ("--nats-url", None)):
+            i = argv.index(flag) + 1
+            argv[i] = value if value is not None else ",".join(
+                u.replace("127.0.0.1", nats_host) for u in argv[i].split(","))
+        log = open(self.run_dir / f"{instance_id}.log", "ab")
+        try:
+            return subprocess.Popen(wrap(argv), env=env, cwd=os.readlink(f"/proc/{pid}/cwd"),
+                                    stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT)
+        finally:
+            log.close()
+
     async def restart(self, service: str, timeout_s: float = 300.0) -> tuple[int, str]:
         """`pdmesh restart SERVICE`: (exit code, its output)."""
         return await self.cli("restart", service, timeout_s=timeout_s)

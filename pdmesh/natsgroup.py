@@ -25,16 +25,18 @@ from shared.natsconn import NatsAuth, connect_kwargs
 
 class NatsGroup:
     def __init__(self, size: int, tmp: Path, *, port: int = 0, http_port: int | None = None,
-                 secrets: Any = None):
+                 secrets: Any = None, listen_host: str = "127.0.0.1"):
         """size: nodes (1, or 3 for a cluster). port/http_port: node 0's (0: free ones;
-        the others take free ones). secrets: pdmesh.creds.Secrets for auth and TLS."""
+        the others take free ones). secrets: pdmesh.creds.Secrets for auth and TLS.
+        listen_host: the address they bind (clients and routes here use 127.0.0.1)."""
         if size < 1:
             raise ValueError("nats_cluster must be >= 1")
         self.size, self.tmp, self.secrets = size, tmp, secrets
         ports = [port or free_port()] + [free_port() for _ in range(size - 1)]
         http = [http_port + i if http_port else None for i in range(size)]
         cluster_ports = [free_port() for _ in range(size)] if size > 1 else None
-        self.nodes: list[NatsNode] = plan_nodes(size, "127.0.0.1", ports, cluster_ports, http)
+        self.nodes: list[NatsNode] = plan_nodes(size, "127.0.0.1", ports, cluster_ports, http,
+                                                listen_host=listen_host)
         self.procs: dict[str, Proc] = {}
         for node in self.nodes:
             conf = self.tmp / f"{node.name}.conf"

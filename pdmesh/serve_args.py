@@ -24,7 +24,8 @@ ENGINES = ("decode", "prefill")
 # every flag's value when neither the command line nor the --config file gives it
 DEFAULTS: dict[str, Any] = dict(
     model=None, prefill=1, decode=1, prefill_group=0, host="127.0.0.1", port=8000,
-    nats_port=0, nats_http_port=None, nats_cluster=1, nats_auth=True, tls=False,
+    nats_port=0, nats_http_port=None, nats_host="127.0.0.1", nats_cluster=1, nats_auth=True,
+    tls=False,
     served_model_name=None, max_model_len=None, dtype="auto", quantization="int4",
     act_int8=False, chat_template=None, enable_prefix_caching=None, api_key=None,
     deterministic=None, mode=None, threads="auto", no_kvstore=False, extra_env=None,
@@ -150,6 +151,9 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
 def nats_flags(up) -> None:
     _add(up, "--nats-port", type=int, help="nats-server port; 0: a free one")
     _add(up, "--nats-http-port", type=int, shown="off", help="nats-server monitoring port")
+    _add(up, "--nats-host", metavar="ADDR",
+         help="the address nats-servers listen on; 0.0.0.0 (or this host's address) lets "
+              "services on other hosts join the mesh (docs/deploy.md)")
     _add(up, "--nats-cluster", type=int, metavar="N",
          help="nats-servers: 3 runs a JetStream cluster (job queue replicated R3, every "
               "service given all URLs)")
@@ -235,7 +239,8 @@ def cluster_kwargs(args) -> dict[str, Any]:
     return dict(
         model=v["model"], prefill=v["prefill"], decode=v["decode"], host=v["host"],
         prefill_group=v["prefill_group"], port=v["port"], nats_port=v["nats_port"],
-        nats_http_port=v["nats_http_port"], nats_cluster=v["nats_cluster"],
+        nats_http_port=v["nats_http_port"], nats_host=v["nats_host"],
+        nats_cluster=v["nats_cluster"],
         nats_auth=v["nats_auth"], nats_tls=v["tls"],
         threads="auto" if v["threads"] == "auto" else None, kvstore=not v["no_kvstore"],
         overrides=overrides, extra_env=dict(parse_kv(s) for s in v["extra_env"] or []),
