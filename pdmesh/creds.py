@@ -149,12 +149,37 @@ class Secrets:
         return ",".join(u.replace("://", f"://{user}:{pw}@", 1) for u in url.split(","))
 
 
+IMAGE_UID = 10001       # the image's user (Dockerfile): it reads the mounted secrets
+
+
 def write_compose(out: Path, rotate: bool = False) -> Secrets:
-    """deploy/secrets for compose.yaml: auth.conf, routes.conf, <user>.password."""
+    """deploy/secrets for compose.yaml: auth.conf, routes.conf, <user>.password, and
+    api_keys (the gateway's; one key, kept across runs unless rotate). Compose mounts
+    secret files as they are: run as root, they are made the image user's (mode 0600);
+    otherwise they stay this user's and the containers need them readable (0644)."""
     s = Secrets.create(out, keep=not rotate)
     _write(out / "routes.conf", routes_conf(s.route_password, COMPOSE_NODES,
                                             COMPOSE_PORTS["cluster"]))
+    keys = out / "api_keys"
+    if rotate or not keys.is_file():
+        _write(keys, f"sk-pdmesh-{secrets.token_urlsafe(24)}\n")
+    for f in out.iterdir():
+        if f.is_file() and not f.name.endswith((".key", ".pem")):
+            if os.geteuid() == 0:
+                os.chown(f, IMAGE_UID, IMAGE_UID)
+            else:
+                f.chmod(0o644)
+    if os.geteuid() == 0:
+        os.chown(out, IMAGE_UID, IMAGE_UID)
+    else:
+        out.chmod(0o755)
     return s
+
+
+def api_key(out: Path) -> str:
+    """The first API key in a compose secrets folder."""
+    return next(k.strip() for k in (out / "api_keys").read_text().splitlines()
+                if k.strip() and not k.startswith("#"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     s = write_compose(Path(args.out), args.rotate)
     print(f"NATS credentials in {s.dir}/ (users: {', '.join(USERS)}; debug is read-only, "
           "admin provisions the job stream)")
+    print(f"the gateway's API key (clients send it as a Bearer token): {s.dir}/api_keys")
     return 0
 
 

@@ -1,6 +1,8 @@
 """Container health check: python -m pdmesh.healthcheck <service>  (exit 0 healthy, 1 not).
 
-gateway: GET http://127.0.0.1:$PDMESH_PORT/health must answer 200.
+gateway: GET http://127.0.0.1:$PDMESH_PORT/ready must answer 200 (it serves: a decode
+         instance, and a prefill worker where decode needs one, are there).
+nats:    the node's monitoring port answers /healthz?js-enabled-only=true (JetStream on).
 jobstream: the job stream exists with exactly its configuration (pdmesh.streamkeeper).
 others:  a Health request on the service's own subject, health(<service>, <instance>),
          must answer ok. The instance id is --instance-id, else $PDMESH_INSTANCE_ID,
@@ -23,13 +25,13 @@ from shared import subjects
 SERVICES = ("gateway", "decode", "prefill", "kvstore")
 
 
-def check_http(port: int, timeout_s: float) -> str | None:
+def check_http(port: int, timeout_s: float, path: str = "/ready") -> str | None:
     """None when healthy, else why not."""
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=timeout_s) as r:
-            return None if r.status == 200 else f"/health answered {r.status}"
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout_s) as r:
+            return None if r.status == 200 else f"{path} answered {r.status}"
     except Exception as e:  # noqa: BLE001
-        return f"/health: {e}"
+        return f"{path}: {e}"
 
 
 async def check_nats(service: str, nats_url: str, instance_id: str | None,
@@ -83,7 +85,7 @@ async def check_stream(nats_url: str, timeout_s: float) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pdmesh.healthcheck",
                                  description=__doc__.split("\n")[0])
-    ap.add_argument("service", choices=(*SERVICES, "jobstream"))
+    ap.add_argument("service", choices=(*SERVICES, "jobstream", "nats"))
     ap.add_argument("--nats-url", default=os.environ.get("PDMESH_NATS_URL", "nats://127.0.0.1:4222"))
     ap.add_argument("--instance-id", default=os.environ.get("PDMESH_INSTANCE_ID") or None)
     ap.add_argument("--port", type=int, default=int(os.environ.get("PDMESH_PORT", "8000")),
@@ -92,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.service == "gateway":
         why = check_http(args.port, args.timeout)
+    elif args.service == "nats":
+        why = check_http(8222, args.timeout, "/healthz?js-enabled-only=true")
     elif args.service == "jobstream":
         why = asyncio.run(check_stream(args.nats_url, args.timeout))
     else:

