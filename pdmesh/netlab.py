@@ -157,6 +157,29 @@ class Host:
         subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
 
 
+class PortCut:
+    """A process on this host cut off by its TCP ports (e.g. one nats-server of a cluster:
+    its client and route ports): every packet to or from them dropped, loopback and veth
+    traffic alike (nftables in this namespace)."""
+
+    def __init__(self, ports: list[int], name: str = ""):
+        self.ports = ports
+        self.table = f"pdmcut{os.getpid()}{name}"[:30]
+
+    def cut(self) -> None:
+        self.heal()
+        ports = "{ " + ", ".join(str(p) for p in self.ports) + " }"
+        _run("nft", "add", "table", "inet", self.table)
+        for chain in ("input", "output"):
+            _run("nft", "add", "chain", "inet", self.table, chain,
+                 f"{{ type filter hook {chain} priority 0 ; }}")
+            for way in ("dport", "sport"):
+                _run("nft", "add", "rule", "inet", self.table, chain, "tcp", way, ports, "drop")
+
+    def heal(self) -> None:
+        subprocess.run(["nft", "delete", "table", "inet", self.table], capture_output=True)
+
+
 class NetLab:
     def __init__(self):
         self.tag = f"{os.getpid() % 10000}"

@@ -147,7 +147,9 @@ async def wait_stream(js: JetStreamContext, wait_s: float = 60.0) -> None:
 def transient(e: Exception) -> bool:
     """JetStream not ready or not reachable right now (worth trying again)."""
     if isinstance(e, APIError):
-        return e.code == 503 or e.err_code == 10023   # unavailable, no resources yet
+        # unavailable; no resources yet; no suitable peers yet (a cluster still meeting
+        # its nodes: an R3 stream created the moment a meta leader answers)
+        return e.code == 503 or e.err_code in (10023, 10005)
     return isinstance(e, (nats.errors.TimeoutError, asyncio.TimeoutError,
                           nats.errors.NoRespondersError, NoStreamResponseError,
                           nats.errors.ConnectionReconnectingError))
