@@ -21,6 +21,7 @@ import nats
 
 from shared import jobstream
 from shared.natsconn import NatsAuth, connect_kwargs
+from shared.service import MAX_OUTSTANDING_PINGS, PING_INTERVAL_S
 
 log = logging.getLogger("pdmesh.streamkeeper")
 EVERY_S = 2.0
@@ -35,7 +36,9 @@ class StreamKeeper:
     async def start(self, wait_s: float = 60.0) -> int:
         """Connect and provision the stream; returns its replicas."""
         self.nc = await nats.connect(**self.options, name="pdmesh-streamkeeper",
-                                     max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+                                     max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                                     ping_interval=PING_INTERVAL_S,
+                                     max_outstanding_pings=MAX_OUTSTANDING_PINGS)
         return await jobstream.ensure_stream(self.nc.jetstream(), wait_s=wait_s)
 
     async def check(self) -> None:

@@ -191,6 +191,16 @@ def _log_task_error(t: asyncio.Task) -> None:
         log.error("background task failed", exc_info=t.exception())
 
 
+# A server that stops answering (its host partitioned: no RST, the socket just goes quiet)
+# is left for another node of the cluster after PING_INTERVAL_S * (MAX_OUTSTANDING_PINGS + 1)
+# = 3 s of unanswered PINGs: sooner than the 5 s after which the mesh takes a silent
+# instance for dead (gateway decode_dead_after_s, decode gateway_dead_after_s). At nats-py's
+# default (2 min x 2) a service on a cut-off node stayed stranded for minutes, and every
+# request that needed it failed (scripts/netfaults_bench.py, cut_nats_node: 40 and 48 of 48).
+PING_INTERVAL_S = 1.0
+MAX_OUTSTANDING_PINGS = 2
+
+
 async def connect(url: str, name: str, wait_s: float = 60.0,
                   auth: NatsAuth | None = None) -> nats.NATS:
     """Connect, retrying until a server is up (services start in any order), and keep
@@ -206,7 +216,8 @@ async def connect(url: str, name: str, wait_s: float = 60.0,
                 **opts, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
                 error_cb=_on_nats_error, disconnected_cb=_on_disconnect,
                 reconnected_cb=_on_reconnect,
-                connect_timeout=2, ping_interval=5, max_outstanding_pings=3,
+                connect_timeout=2, ping_interval=PING_INTERVAL_S,
+                max_outstanding_pings=MAX_OUTSTANDING_PINGS,
                 pending_size=64 << 20, allow_reconnect=True)
         except Exception as e:  # noqa: BLE001
             if time.monotonic() > deadline:

@@ -9,11 +9,18 @@ Every request completes with its uninterrupted reference's tokens (the gateway m
 cut-off decode's streams; before deterministic mode attended each row as its own decode step,
 1-2 of 16 migrated streams came back different), the mesh serves on both decodes again after
 the heal, and the partitioned decode holds no block once the migrated requests are gone.
+A minority partition of NATS: the node the gateway is connected to cut off (its client
+and route ports) for 8 s under the same load; no request fails and none changes (services
+leave a silent server after 3 s of unanswered PINGs; at nats-py's default, 2 min x 2, the
+gateway stayed on the cut node and took every decode for dead).
+
 Root only (network namespaces); skipped with the reason elsewhere.
 """
 from __future__ import annotations
 
 import asyncio
+import re
+import subprocess
 import time
 from pathlib import Path
 
@@ -41,7 +48,8 @@ def lab():
 @pytest.fixture(scope="module")
 def mesh(lab):
     loop = asyncio.new_event_loop()
-    m = UpMesh("--model", str(TINY_TARGET), "--deterministic", "--nats-host", "0.0.0.0")
+    m = UpMesh("--model", str(TINY_TARGET), "--deterministic", "--nats-host", "0.0.0.0",
+               "--nats-cluster", "3")
     host = lab.host("b")
     proc = None
     try:
@@ -125,3 +133,43 @@ def test_a_partition_of_a_decode_host_changes_no_answer(mesh, refs, tiny_prompts
     assert again.failed() == [], again.failed()[:3]
     assert again.wrong([r[:32] for r in refs]) == []
     assert used == 0, f"decode_b still holds {used} blocks after the heal"
+
+
+def _nats_node_of(m: UpMesh, child: str) -> tuple[str, list[int]]:
+    """The nats-server child's name that `child` is connected to, and its client and route
+    ports (from the node's config file)."""
+    pid = m.pid(child)
+    out = subprocess.run(["ss", "-Htnp", "state", "established"], capture_output=True,
+                         text=True, check=True).stdout
+    peers = {int(line.split()[3].rsplit(":", 1)[1]) for line in out.splitlines()
+             if f"pid={pid}," in line}
+    for name in ("nats-0", "nats-1", "nats-2"):
+        argv = Path(f"/proc/{m.pid(name)}/cmdline").read_bytes().split(b"\0")
+        conf = Path(argv[argv.index(b"-c") + 1].decode()).read_text()
+        ports = [int(p) for p in re.findall(r"listen: [\d.]+:(\d+)", conf)]
+        if ports[0] in peers:
+            return name, ports
+    raise AssertionError(f"{child} (pid {pid}) is connected to no nats-server: {peers}")
+
+
+def test_the_gateways_nats_node_cut_off_costs_no_request(mesh, refs, tiny_prompts):
+    m, loop, _ = mesh
+    node, ports = _nats_node_of(m, m.gateway_name())
+    cut = netlab.PortCut(ports, "gw")
+
+    async def scenario() -> Load:
+        load = Load(m.url, tiny_prompts[:16], "tiny-target", MAX_TOKENS)
+        runner = asyncio.ensure_future(load.run(16))
+        await load.mid_stream(streams=16, tokens=3)
+        cut.cut()
+        try:
+            await asyncio.sleep(CUT_S)
+        finally:
+            cut.heal()
+        await runner
+        await _decodes(m, 2, 60)
+        return load
+
+    load = loop.run_until_complete(scenario())
+    assert load.failed() == [], (node, load.failed()[:3])
+    assert load.wrong(refs) == [], f"outputs differ from the uninterrupted ones: {load.wrong(refs)}"
