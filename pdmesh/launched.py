@@ -164,13 +164,13 @@ class UpMesh:
         return any(i.instance_id == f"{service}_{index}" for i in found)
 
     def spawn_like(self, child: str, instance_id: str, nats_host: str = "127.0.0.1",
-                   wrap=lambda argv: argv) -> subprocess.Popen:
+                   wrap=lambda argv: argv, extra: list[str] = ()) -> subprocess.Popen:
         """One more instance of child's service, as an operator adds one by hand on another
         host: child's own command line and environment (its NATS user and password file),
         a new instance id, its NATS URLs' host replaced by nats_host (how that host reaches
         this mesh's nats-server: pdmesh up --nats-host), run through wrap(argv) (e.g.
-        netlab.Host.command). Its output goes to <run dir>/<instance_id>.log. Not
-        supervised: the caller stops it."""
+        netlab.Host.command), with extra flags added. Its output goes to
+        <run dir>/<instance_id>.log. Not supervised: the caller stops it."""
         pid = self.pid(child)
         argv = [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
         env = dict(kv.decode().split("=", 1) for kv in
@@ -179,6 +179,7 @@ class UpMesh:
             i = argv.index(flag) + 1
             argv[i] = value if value is not None else ",".join(
                 u.replace("127.0.0.1", nats_host) for u in argv[i].split(","))
+        argv += list(extra)
         log = open(self.run_dir / f"{instance_id}.log", "ab")
         try:
             return subprocess.Popen(wrap(argv), env=env, cwd=os.readlink(f"/proc/{pid}/cwd"),
