@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -187,6 +188,12 @@ class UpMesh:
                                     stderr=subprocess.STDOUT)
         finally:
             log.close()
+
+    def nats_node_ports(self, node: str) -> list[int]:
+        """A nats-server child's client and route ports (from its config file)."""
+        argv = Path(f"/proc/{self.pid(node)}/cmdline").read_bytes().split(b"\0")
+        conf = Path(argv[argv.index(b"-c") + 1].decode()).read_text()
+        return [int(p) for p in re.findall(r"listen: [\d.]+:(\d+)", conf)]
 
     async def restart(self, service: str, timeout_s: float = 300.0) -> tuple[int, str]:
         """`pdmesh restart SERVICE`: (exit code, its output)."""

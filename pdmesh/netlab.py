@@ -122,19 +122,18 @@ class Host:
         self.heal()
         if loss_pct:
             self._rules(f"numgen random mod 10000 < {int(loss_pct * 100)} drop")
-        if rate:
-            for dev, inside in ((self.outer, False), (self.inner, True)):
-                argv = ("tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
-                        "burst", "1mbit", "latency", "100ms")
-                self._in(*argv) if inside else _run(*argv)
         if delay_ms:
             why = netem_reason()
             if why:
                 raise RuntimeError(f"no link delay here: {why}")
-            for dev, inside in ((self.outer, False), (self.inner, True)):
-                argv = ("tc", "qdisc", "replace", "dev", dev, "root", "netem", "delay",
-                        f"{delay_ms}ms") + (("rate", rate) if rate else ())
-                self._in(*argv) if inside else _run(*argv)
+            self._qdisc("netem", "delay", f"{delay_ms}ms", *(("rate", rate) if rate else ()))
+        elif rate:
+            self._qdisc("tbf", "rate", rate, "burst", "1mbit", "latency", "100ms")
+
+    def _qdisc(self, *params: str) -> None:
+        """The same root qdisc on both veth ends (each direction of the link)."""
+        _run("tc", "qdisc", "replace", "dev", self.outer, "root", *params)
+        self._in("tc", "qdisc", "replace", "dev", self.inner, "root", *params)
 
     def heal(self) -> None:
         """The link as it was: no rule, no shaping."""

@@ -70,12 +70,6 @@ class Lab:
             p.kill()
             p.wait()
 
-    def nats_node_ports(self, node: str) -> list[int]:
-        """A nats-server child's client and route ports (from its config file)."""
-        argv = Path(f"/proc/{self.m.pid(node)}/cmdline").read_bytes().split(b"\0")
-        conf = Path(argv[argv.index(b"-c") + 1].decode()).read_text()
-        return [int(p) for p in re.findall(r"listen: [\d.]+:(\d+)", conf)]
-
     async def serving(self, timeout_s: float = 120) -> float:
         """Seconds until the gateway counts 2 decodes and every instance answers PING."""
         import aiohttp
@@ -122,7 +116,7 @@ async def fault(lab: Lab, name: str, load: Load) -> float | None:
         return await lab.serving()
     if m:
         who, secs = m.group(1), int(m.group(2))
-        cut = (netlab.PortCut(lab.nats_node_ports("nats-1"), "n1") if who == "nats_node"
+        cut = (netlab.PortCut(lab.m.nats_node_ports("nats-1"), "n1") if who == "nats_node"
                else lab.hosts[who])
         log(f"cut {who} for {secs} s")
         cut.cut()

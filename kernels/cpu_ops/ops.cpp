@@ -253,31 +253,6 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
   return out;
 }
 
-// one query row q [Hq, D] over flat slots [ctx] int64 of caches viewed [NS, Hkv, D]
-torch::Tensor slots_decode(const torch::Tensor& q, const torch::Tensor& kf,
-                           const torch::Tensor& vf, const torch::Tensor& slots, double scale) {
-  TORCH_CHECK(q.dim() == 2 && kf.dim() == 3 && kf.is_contiguous() && vf.is_contiguous() &&
-                  kf.sizes() == vf.sizes() && kf.scalar_type() == q.scalar_type() &&
-                  vf.scalar_type() == q.scalar_type(),
-              "slots_decode: q [Hq, D] and contiguous caches [NS, Hkv, D] of q's dtype");
-  const int64_t Hq = q.size(0), D = q.size(1), NS = kf.size(0), Hkv = kf.size(1);
-  TORCH_CHECK(kf.size(2) == D && Hkv > 0 && Hq % Hkv == 0, "slots_decode: head shapes");
-  auto sc = slots.to(torch::kLong).contiguous();
-  const int64_t* s = sc.data_ptr<int64_t>();
-  const int64_t ctx = sc.numel();
-  for (int64_t i = 0; i < ctx; ++i)
-    TORCH_CHECK(s[i] >= 0 && s[i] < NS, "slots_decode: slot out of range");
-  auto qc = q.contiguous();
-  auto out = torch::empty({Hq, D}, qc.options());
-  const int64_t row = Hkv * D;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "slots_decode", [&] {
-    auto rows = [&](int64_t l) { return s[l] * row; };
-    attend_one(qc.data_ptr<scalar_t>(), kf.data_ptr<scalar_t>(), vf.data_ptr<scalar_t>(), ctx,
-               Hq, Hkv, D, static_cast<float>(scale), rows, out.data_ptr<scalar_t>());
-  });
-  return out;
-}
-
 // n query rows q [n, Hq, D] of one sequence, the last n of its ctx = slots.numel()
 // positions: row i attends slots[0, ctx - n + i] exactly as slots_decode attends one
 // decode row (deterministic mode: a position's output does not depend on how many rows
@@ -310,6 +285,14 @@ torch::Tensor slots_causal(const torch::Tensor& q, const torch::Tensor& kf,
     });
   });
   return out;
+}
+
+// one query row q [Hq, D] over flat slots [ctx] int64 of caches viewed [NS, Hkv, D]: the
+// last (only) row of slots_causal
+torch::Tensor slots_decode(const torch::Tensor& q, const torch::Tensor& kf,
+                           const torch::Tensor& vf, const torch::Tensor& slots, double scale) {
+  TORCH_CHECK(q.dim() == 2, "slots_decode: q [Hq, D]");
+  return slots_causal(q.unsqueeze(0), kf, vf, slots, scale).squeeze(0);
 }
 
 // kv_copy.cpp: the KV wire's gather, scatter and checksum words

@@ -19,7 +19,6 @@ Root only (network namespaces); skipped with the reason elsewhere.
 from __future__ import annotations
 
 import asyncio
-import re
 import subprocess
 import time
 from pathlib import Path
@@ -144,9 +143,7 @@ def _nats_node_of(m: UpMesh, child: str) -> tuple[str, list[int]]:
     peers = {int(line.split()[3].rsplit(":", 1)[1]) for line in out.splitlines()
              if f"pid={pid}," in line}
     for name in ("nats-0", "nats-1", "nats-2"):
-        argv = Path(f"/proc/{m.pid(name)}/cmdline").read_bytes().split(b"\0")
-        conf = Path(argv[argv.index(b"-c") + 1].decode()).read_text()
-        ports = [int(p) for p in re.findall(r"listen: [\d.]+:(\d+)", conf)]
+        ports = m.nats_node_ports(name)
         if ports[0] in peers:
             return name, ports
     raise AssertionError(f"{child} (pid {pid}) is connected to no nats-server: {peers}")
