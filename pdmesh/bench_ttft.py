@@ -29,10 +29,10 @@ from .loadgen import completion_body, stream_one
 from .rawnats import idle_round_trips, log
 
 CONFIGS = {
-    "before": {"kv_stream": False, "kv_shm": False},
-    "stream": {"kv_stream": True, "kv_shm": False},
-    "shm": {"kv_stream": False, "kv_shm": True},
-    "stream+shm": {"kv_stream": True, "kv_shm": True, "kv_stream_shm": True},
+    "before": {"kv_stream": "off", "kv_shm": False},
+    "stream": {"kv_stream": "on", "kv_shm": False},
+    "shm": {"kv_stream": "off", "kv_shm": True},
+    "stream+shm": {"kv_stream": "on", "kv_shm": True, "kv_stream_shm": True},
     "default": {},
 }
 

@@ -32,7 +32,8 @@ def cluster(cfg: ChaosConfig):
     # layer-wise streaming on by default: the path with the most writes in flight when
     # aborts land; off, the default whole-prompt path (through shared memory, one host)
     prefill = SHAPES | {"ack_wait_s": 3.0, "max_num_seqs": 8, "kv_window": cfg.kv_window,
-                        "kv_stream": cfg.kv_stream, "kv_stream_shm": cfg.kv_stream,
+                        "kv_stream": "on" if cfg.kv_stream else "off",
+                        "kv_stream_shm": cfg.kv_stream,
                         "kv_max_write_bytes": cfg.kv_max_write_bytes,
                         "fault_kv_write_delay_s": cfg.write_delay_s}
     return Cluster(cfg.model, prefill=cfg.prefill, decode=1, kvstore=False, **DET,

@@ -35,19 +35,23 @@ class PrefillConfig:
     claim_timeout_s: float = field(default=5.0, metadata={
         "help": "wait this long for decode to grant a job's blocks, else drop the job"})
     kv_max_write_bytes: int = field(default=0, metadata={
-        "help": "largest KV write payload (0: the NATS server's max_payload)"})
+        "help": "largest KV write payload (0: 2 MiB across the network, which pipelines "
+                "with the wire; the NATS server's max_payload through shared memory)"})
     kv_shm: bool = field(default=True, metadata={
         "help": "KV to a decode instance on the same host through shared memory (NATS carries "
                 "only the handle, checksum and epochs); off: every byte over NATS"})
     kv_shm_mb: int = field(default=256, metadata={
         "help": "the shared-memory segment for same-host KV writes (/dev/shm)"})
-    kv_stream: bool = field(default=False, metadata={
+    kv_stream: str = field(default="auto", metadata={
         "help": "layer-wise KV streaming: each layer's KV of each chunk of a prompt longer "
                 "than one chunk goes to decode as soon as it is computed, while the later "
-                "layers compute (off: the whole prompt's KV after the compute). For decode "
-                "on another host with cores to spare: on one 2-core host, 2,000-token "
-                "prompts, PD TTFT was 1.03x colocated whole, 1.21x streamed "
-                "(docs/bench/ttft_*). Not to a same-host decode unless --kv-stream-shm"})
+                "layers compute, instead of the whole prompt's KV after the compute. auto: "
+                "per job, when the KV's wire time to its decode (the link rate this prefill "
+                "measured) is at least --kv-stream-min-share of the prompt's compute time; "
+                "on | off: always | never. Never to a same-host decode through shared "
+                "memory unless --kv-stream-shm (docs/bench/kv_link.*)"})
+    kv_stream_min_share: float = field(default=0.05, metadata={
+        "help": "kv_stream=auto streams when wire time / compute time is at least this"})
     kv_stream_shm: bool = field(default=False, metadata={
         "help": "with --kv-stream, stream through shared memory too (its wire time is near "
                 "zero: the per-layer writes only add work)"})
@@ -62,6 +66,12 @@ class PrefillConfig:
     faults: PrefillFaults = field(default_factory=PrefillFaults, metadata={"prefix": "fault_"})
 
     def __post_init__(self):
+        if isinstance(self.kv_stream, bool):      # kv_stream=true|false (config files, env)
+            self.kv_stream = "on" if self.kv_stream else "off"
+        self.kv_stream = {"true": "on", "false": "off"}.get(str(self.kv_stream).lower(),
+                                                             str(self.kv_stream).lower())
+        if self.kv_stream not in ("auto", "on", "off"):
+            raise ValueError(f"kv_stream must be auto, on or off, got {self.kv_stream!r}")
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, "
                              f"got {self.write_policy!r}")

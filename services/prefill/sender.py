@@ -7,12 +7,17 @@ transport (shared/kv/transport.py: NATS by default); decode's ack is the credit.
 max_payload) whatever the sender's speed. Writes are sized to the transport's max_payload
 (or less).
 
-Layer-wise streaming (stream.py, on unless `stream=False`, for prompts over one chunk):
+Layer-wise streaming (stream.py; mode "auto" chooses it per job from the measured link
+and compute rates, linkcost.py; "on" always, "off" never; only prompts over one chunk):
 open() before the prompt computes, and each layer's KV of each chunk goes out as soon as
-the forward has written it,
-while the later layers compute; send() after the compute writes what is left (the last
-layers, and prompt blocks prefill did not compute: its own prefix-cache hits). Without
-open(), send() writes every block after the compute, as before.
+the forward has written it, while the later layers compute; send() after the compute
+writes what is left (the last layers, and prompt blocks prefill did not compute: its own
+prefix-cache hits). Without open(), send() writes every block after the compute.
+
+Writes across the network are at most NET_WRITE_BYTES (unless max_write_bytes says
+otherwise): a smaller write pipelines the pack, the server's store-and-forward and
+decode's apply with the wire (8 MiB writes used 53% of a 1 Gbit/s link, 2 MiB 92%);
+writes through same-host shared memory go up to max_payload.
 
 Before each write the ledger is asked whether the attempt may still write: after a
 Reclaim (or a failed write) no new write starts, and send() returns only when every
@@ -21,6 +26,7 @@ write it started has completed, so the count it leaves in the ledger is final.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -32,7 +38,11 @@ from shared.kv.transport import KvTransport
 from shared.service import ServiceError
 
 from .ledger import Phase, WriteLedger
+from .linkcost import LinkMeter
 from .stream import LayerStream
+
+NET_WRITE_BYTES = 2 << 20
+STREAM_MODES = ("auto", "on", "off")
 
 
 class Reclaimed(Exception):
@@ -41,48 +51,74 @@ class Reclaimed(Exception):
 
 class KvSender:
     def __init__(self, transport: KvTransport, sender_id: str, window: int,
-                 ledger: WriteLedger, max_write_bytes: int = 0, stream: bool = True,
-                 stream_shm: bool = False):
-        """max_write_bytes: 0 = the transport's max_payload. The ack timeout is the
+                 ledger: WriteLedger, max_write_bytes: int = 0, stream: str = "auto",
+                 stream_shm: bool = False, stream_min_share: float = 0.05):
+        """max_write_bytes: 0 = NET_WRITE_BYTES across the network, the transport's
+        max_payload through shared memory. stream: auto | on | off. The ack timeout is the
         transport's; a slow wire for tests is shared.kv.faults.SlowKvTransport."""
+        if stream not in STREAM_MODES:
+            raise ValueError(f"kv_stream must be one of {STREAM_MODES}, got {stream!r}")
         self.transport = transport
         self.sender_id = sender_id
         self.window = window
         self.ledger = ledger
         self.limit = max_write_bytes
-        self.stream_enabled = stream
+        self.stream_mode = stream
+        self.stream_min_share = stream_min_share
+        self.meter = LinkMeter()            # measured link and compute rates (auto)
+        self.choices: dict[str, str] = {}   # decode instance -> auto's last choice, and why
         self.stream_shm = stream_shm        # stream to a same-host decode (shared memory) too
         self.max_write_bytes = 0        # the largest payload sent so far (for STATS)
         self.changed = asyncio.Condition()   # a write of some attempt completed
         self.streams: dict[str, LayerStream] = {}    # engine request id -> its stream
-        self.counters = {"kv_writes_streamed": 0, "kv_bytes_streamed": 0, "kv_done_in_write": 0}
+        self.counters = {"kv_writes_streamed": 0, "kv_bytes_streamed": 0, "kv_done_in_write": 0,
+                         "kv_jobs_streamed": 0, "kv_jobs_whole": 0}
         self.done_landed: set[str] = set()   # attempts whose one write carried PrefillDone
 
     def stats(self) -> dict:
-        return self.counters | getattr(self.transport, "counters", {})
+        return (self.counters | getattr(self.transport, "counters", {})
+                | {"kv_link_bytes_per_s": self.meter.report(), "kv_stream_choice": self.choices})
 
-    @property
-    def max_bytes(self) -> int:
+    def _same_host(self, dest: str) -> bool:
+        same_host = getattr(self.transport, "same_host", None)
+        return same_host is not None and same_host(dest)
+
+    def max_bytes(self, dest: str) -> int:
+        """The largest payload of one write to `dest`."""
         m = self.transport.max_payload
-        return min(m, self.limit) if self.limit else m
+        if self.limit:
+            return min(m, self.limit)
+        return m if self._same_host(dest) else min(m, NET_WRITE_BYTES)
 
     # ---- layer-wise streaming ---------------------------------------------------------
     def will_stream(self, job: PrefillJob, engine) -> bool:
-        """Whether open() streams this job's KV. A prompt of one chunk is not streamed:
-        its forward is short, and waking the event loop at every layer costs the forward
-        more (the GIL) than the overlap gains; its KV goes in one write after it. Nor to a
-        decode on this host through shared memory (unless stream_shm): no wire time to
-        hide there, the layer writes only cost."""
-        if not self.stream_enabled or len(job.prompt_ids) <= engine.cfg.chunk_size:
+        """Whether open() streams this job's KV (asked once per attempt, before open()).
+        A prompt of one chunk is not streamed: its forward is short, and waking the event
+        loop at every layer costs the forward more (the GIL) than the overlap gains; its
+        KV goes in one write after it. Nor to a decode on this host through shared memory
+        (unless stream_shm): no wire time to hide there, the layer writes only cost.
+        Otherwise "auto" asks the link meter (linkcost.py)."""
+        dest = job.dest.instance_id
+        if (self.stream_mode == "off" or len(job.prompt_ids) <= engine.cfg.chunk_size
+                or (self._same_host(dest) and not self.stream_shm)):
             return False
-        same_host = getattr(self.transport, "same_host", None)
-        return self.stream_shm or same_host is None or not same_host(job.dest.instance_id)
+        if self.stream_mode == "on":
+            return True
+        skip = job.dest.skip_blocks * engine.cfg.block_size
+        nbytes = len(job.dest.block_ids) * wire.layer_bytes(engine.kv) * engine.kv.shape[0]
+        stream, why = self.meter.choose(dest, len(job.prompt_ids) - skip, nbytes,
+                                        self.stream_min_share)
+        self.counters["kv_jobs_streamed" if stream else "kv_jobs_whole"] += 1
+        self.choices[dest] = f"{'stream' if stream else 'whole'} ({why})"
+        return stream
+
+    def computed(self, job: PrefillJob, engine, tier: int, seconds: float) -> None:
+        """The job's prompt computed in `seconds` (tier: leading blocks kvstore had)."""
+        self.meter.computed(len(job.prompt_ids) - tier * engine.cfg.block_size, seconds)
 
     def open(self, job: PrefillJob, engine, local_id: str, attempt: str) -> None:
         """Stream the attempt's KV while engine request `local_id` computes (call before
-        it is added to the engine), if will_stream() says so."""
-        if not self.will_stream(job, engine):
-            return
+        it is added to the engine, once will_stream() said so)."""
         engine.model.layer_listener = self._on_layer
         st = LayerStream(self, job, engine, local_id, attempt, asyncio.get_running_loop())
         self.streams[local_id] = st
@@ -137,12 +173,13 @@ class KvSender:
 
     async def _send_all(self, job, engine, local_id, attempt, final=None) -> tuple[list[str], int]:
         src = self.source_blocks(job, engine, local_id)
-        pieces = wire.plan(len(src), engine.kv, self.max_bytes)
+        pieces = wire.plan(len(src), engine.kv, self.max_bytes(job.dest.instance_id))
+        measure = len(job.prompt_ids) > engine.cfg.chunk_size    # a link measurement (auto)
         if final is not None and len(pieces) == 1:
             errors: list[str] = []
             nbytes = wire.piece_bytes(engine.kv, len(src), pieces[0].l0, pieces[0].l1)
             n = await self.write(job, engine, attempt, src, pieces[0], errors,
-                                 done=final(1, nbytes))
+                                 done=final(1, nbytes), measure=measure)
             return errors, n
         credits = asyncio.Semaphore(self.window)
         errors = []
@@ -150,7 +187,7 @@ class KvSender:
 
         async def one(p: wire.Piece) -> None:
             async with credits:
-                n = await self.write(job, engine, attempt, src, p, errors)
+                n = await self.write(job, engine, attempt, src, p, errors, measure=measure)
                 sizes.append(n)
 
         await asyncio.gather(*(one(p) for p in pieces))
@@ -166,10 +203,12 @@ class KvSender:
         return src
 
     async def write(self, job: PrefillJob, engine, attempt: str, src: list[int],
-                    p: wire.Piece, errors: list[str], done: PrefillDone | None = None) -> int:
+                    p: wire.Piece, errors: list[str], done: PrefillDone | None = None,
+                    measure: bool = False) -> int:
         """One write: blocks p.b0..p.b1 of the job's destination (src: this pool's blocks
         for them), layers p.l0..p.l1. Returns the bytes sent (0: not sent). done: the
-        attempt's PrefillDone, carried by its only write."""
+        attempt's PrefillDone, carried by its only write. measure: the link meter times it
+        (a write of a whole-prompt transfer)."""
         ledger = self.ledger
         if not ledger.may_issue(attempt):
             return 0
@@ -194,7 +233,7 @@ class KvSender:
                            layer_end=p.l1, dtype=wire.dtype_name(engine.kv.dtype), shape=shape,
                            seq=p.index, sender=self.sender_id, attempt=attempt, done=done)
             meta = msgspec.structs.replace(meta, digest=await wire.digest_async(meta, payload))
-            ack = await self.transport.send(dest, meta, payload)
+            ack = await self._send(dest, meta, payload, measure)
             answered, sent = True, len(payload)
             self.max_write_bytes = max(self.max_write_bytes, sent)
             if not ack.applied:
@@ -215,6 +254,18 @@ class KvSender:
             async with self.changed:
                 self.changed.notify_all()
         return sent
+
+    async def _send(self, dest: str, meta: KvWrite, payload, measure: bool):
+        if not measure:
+            return await self.transport.send(dest, meta, payload)
+        self.meter.begin(dest, time.monotonic())
+        acked = 0
+        try:
+            ack = await self.transport.send(dest, meta, payload)
+            acked = len(payload)
+            return ack
+        finally:
+            self.meter.end(dest, acked, time.monotonic())
 
     async def wait_idle(self, attempt: str) -> None:
         """Until no write of the attempt is in flight."""

@@ -94,7 +94,8 @@ class PrefillService:
         self.sender = inject.sender(KvSender(inject.transport(kv_transport, f), self.iid,
                                              self.cfg.kv_window, self.ledger,
                                              self.cfg.kv_max_write_bytes, self.cfg.kv_stream,
-                                             self.cfg.kv_stream_shm), f)
+                                             self.cfg.kv_stream_shm,
+                                             self.cfg.kv_stream_min_share), f)
         self.reclaims = ReclaimResponder(self.iid, self.ledger, self.sender, self.rt.spawn)
 
     async def start(self) -> None:
@@ -225,14 +226,15 @@ class PrefillService:
         refused claim costs them no compute. `begun` is resolved once the prompt is in the
         engine or the attempt waits on another service."""
         local_id = f"{job.request_id}/{attempt[:8]}"
-        early = not redelivered and not self.sender.will_stream(job, self.engine)
-        claim = None if early else self._claim(job, attempt, begun=begun)
+        stream = self.sender.will_stream(job, self.engine)     # layer-wise KV streaming?
+        claim = None if not (redelivered or stream) else self._claim(job, attempt, begun=begun)
         if claim is not None and not await claim:
             self.counters["jobs_refused"] += 1
             return None
         t0, work = time.monotonic(), None
         try:
-            self.sender.open(job, self.engine, local_id, attempt)   # layer-wise KV streaming
+            if stream:
+                self.sender.open(job, self.engine, local_id, attempt)
             outside = contextvars.copy_context()        # the claim's span is not compute's
             with tracing.span("compute", prompt_tokens=len(job.prompt_ids)):
                 work = asyncio.ensure_future(self.compute(local_id, job, begun))
@@ -245,6 +247,7 @@ class PrefillService:
             if not await claim:
                 self.counters["jobs_refused"] += 1
                 return None
+            self.sender.computed(job, self.engine, tier, compute_s)
             if self.ledger.get(attempt).phase is Phase.CANCELLED:
                 raise Reclaimed(f"{job.request_id}: reclaimed before its last write")
             done = functools.partial(claiming.ok_done, job, self.iid, attempt, out, compute_s)

@@ -35,6 +35,7 @@ class LayerStream:
         self.skip = job.dest.skip_blocks
         self.end = self.skip + len(job.dest.block_ids)   # engine block indices [skip, end)
         self.prompt_len = len(job.prompt_ids)
+        self.max_bytes = sender.max_bytes(job.dest.instance_id)
         self.first: int | None = None    # first engine block this prefill computed
         self.done = [0] * self.L         # leading blocks final at each layer
         self.sent = [0] * self.L         # leading blocks sent (or not ours to send)
@@ -69,9 +70,9 @@ class LayerStream:
         lo = min(ready)[1]      # the oldest unsent blocks first, then the lowest layer
         b0, b1 = self.sent[lo], self.done[lo]
         lb = wire.layer_bytes(self.engine.kv)
-        b1 = min(b1, b0 + max(1, self.sender.max_bytes // lb))
+        b1 = min(b1, b0 + max(1, self.max_bytes // lb))
         hi = lo + 1
-        max_layers = max(1, self.sender.max_bytes // (lb * (b1 - b0)))
+        max_layers = max(1, self.max_bytes // (lb * (b1 - b0)))
         while (hi < self.L and hi - lo < max_layers and self.sent[hi] == b0
                and self.done[hi] >= b1):
             hi += 1
@@ -91,7 +92,7 @@ class LayerStream:
         lo = self.skip
         hi = self.end if self.first is None else max(self.skip, min(self.first, self.end))
         pieces = [self._piece(self.skip + p.b0, self.skip + p.b1, p.l0, p.l1)
-                  for p in wire.plan(hi - lo, self.engine.kv, self.sender.max_bytes)]
+                  for p in wire.plan(hi - lo, self.engine.kv, self.max_bytes)]
         if self.first is None:
             self.sent = [self.end] * self.L
         elif min(self.done) < self.end:

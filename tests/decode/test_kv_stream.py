@@ -46,7 +46,7 @@ def watched(mesh: LocalMesh) -> Watch:
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
 async def test_streamed_kv_gives_the_same_output(tiny_target, tiny_prompts, reference, stream):
-    mesh = LocalMesh(tiny_target, prefill={"kv_stream": stream})
+    mesh = LocalMesh(tiny_target, prefill={"kv_stream": "on" if stream else "off"})
     w = watched(mesh)
     await mesh.start()
     try:
@@ -89,7 +89,10 @@ async def test_blocks_prefill_did_not_compute_still_reach_decode(tiny_target, ti
 
 class _Sender:
     def __init__(self, max_bytes):
-        self.max_bytes, self.window, self.ledger = max_bytes, 4, None
+        self.limit, self.window, self.ledger = max_bytes, 4, None
+
+    def max_bytes(self, dest):
+        return self.limit
 
 
 class _Engine:
@@ -101,6 +104,7 @@ class _Engine:
 class _Dest:
     def __init__(self, n, skip):
         self.block_ids, self.skip_blocks, self.epochs = list(range(n)), skip, [0] * n
+        self.instance_id = "d0"
 
 
 class _Job:
@@ -197,3 +201,58 @@ async def test_the_stream_drains_when_every_write_of_a_full_window_has_completed
         st.computed(layer, 0, 64)                              # 16 pieces ready at once
     errors, nbytes = await asyncio.wait_for(st.finish(), 5)
     assert errors == [] and nbytes == 16 and len(set(sender.pieces)) == 16
+
+
+class Throttle:
+    """A KV transport behind a link of `rate` bytes/s: one write on the wire at a time."""
+
+    def __init__(self, inner, rate: float):
+        self.inner, self.rate = inner, rate
+        self.wire = asyncio.Lock()
+
+    @property
+    def max_payload(self) -> int:
+        return self.inner.max_payload
+
+    async def send(self, dest, meta, payload):
+        async with self.wire:
+            await asyncio.sleep(len(payload) / self.rate)
+        return await self.inner.send(dest, meta, payload)
+
+    async def listen(self, instance_id, on_write, admit=None):
+        await self.inner.listen(instance_id, on_write, admit)
+
+    async def close(self):
+        await self.inner.close()
+
+
+@pytest.mark.parametrize("rate", [0.5e6, None], ids=["slow_link", "fast_link"])
+async def test_auto_streams_only_across_a_link_that_costs(tiny_target, tiny_prompts, reference,
+                                                         rate):
+    """kv_stream=auto (the default): the first job measures the link (whole-prompt KV);
+    after it, a link whose wire time is a real share of the compute gets layer-wise
+    streaming, a fast one keeps the whole-prompt path; the output is the same."""
+    mesh = LocalMesh(tiny_target)
+    assert mesh.prefill.cfg.kv_stream == "auto"
+    if rate:
+        mesh.prefill.sender.transport = Throttle(mesh.kv, rate)
+    await mesh.start()
+    try:
+        for i, rid in enumerate(("a", "b", "c")):
+            p = prompt(tiny_prompts, 3 + i, n=120)        # four 32-token chunks
+            await mesh.submit(rid, p, max_tokens=MAX_TOKENS, ignore_eos=True)
+            task, msg = mesh.run_job()
+            await task
+            assert msg.acked and await mesh.tokens(rid) == reference(p)
+        pre = mesh.prefill.stats()
+        choice = pre["kv_stream_choice"][mesh.decode.iid]
+        if rate:
+            assert (pre["kv_jobs_whole"], pre["kv_jobs_streamed"]) == (1, 2), choice
+            assert pre["kv_writes_streamed"] > 0 and choice.startswith("stream")
+            link = pre["kv_link_bytes_per_s"][mesh.decode.iid]
+            assert rate * 0.5 < link <= rate
+        else:
+            assert (pre["kv_jobs_whole"], pre["kv_jobs_streamed"]) == (3, 0), choice
+            assert pre["kv_writes_streamed"] == 0 and choice.startswith("whole")
+    finally:
+        await mesh.close()

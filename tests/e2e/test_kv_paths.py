@@ -21,7 +21,7 @@ def test_streamed_shared_memory_kv_gives_the_engines_output(tiny_target, tiny_pr
     want = [eng.generate([p], SamplingParams(temperature=0.0, max_tokens=6,
                                              ignore_eos=True))[0]["token_ids"] for p in prompts]
     ov = det_overrides()
-    ov["prefill"] |= {"kv_stream": True, "kv_stream_shm": True}   # streamed, through shm too
+    ov["prefill"] |= {"kv_stream": "on", "kv_stream_shm": True}   # streamed, through shm too
     with Cluster(str(tiny_target), prefill=1, decode=1, **DET, overrides=ov,
                  echo=False) as c:
         async def run():
