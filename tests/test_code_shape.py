@@ -4,6 +4,7 @@
   - no function over MAX_FUNCTION_LINES lines outside tests/ and scripts/;
   - the decode and prefill service classes under MAX_SERVICE_CLASS_LINES lines;
   - nothing under shared/ imports `services` (shared is the layer below the services);
+  - no private `_name` of a project module used by another module (outside tests/);
   - no import cycle among the project's modules (module-level imports only: an import
     inside a function or under `if TYPE_CHECKING:` runs later or never, so it cannot
     deadlock a module's first import).
@@ -216,3 +217,35 @@ def test_the_cycle_finder_finds_cycles():
                     "def f():\n    import w\nclass C:\n    import v\n")
     names = [a.name for n in module_level_imports(src) for a in n.names]
     assert names == ["x", "z", "v"]
+
+
+def private_imports(rel: Path) -> list[str]:
+    """`from project.module import _name` (a private name taken across modules) and
+    `module._name` on an imported project module, in one file."""
+    modules = project_modules()
+    out, imported = [], set()
+    for node in ast.walk(tree(rel)):
+        if isinstance(node, ast.ImportFrom):
+            base = imported_names(rel, node)[-1]
+            if _resolve(base, modules) is None:
+                continue
+            for a in node.names:
+                if a.name.startswith("_") and not a.name.startswith("__"):
+                    out.append(f"{rel}:{node.lineno} from {base} import {a.name}")
+                elif f"{base}.{a.name}" in modules:
+                    imported.add(a.asname or a.name)
+        elif isinstance(node, ast.Import):
+            imported |= {a.asname or a.name.split(".")[0] for a in node.names
+                         if _resolve(a.name, modules)}
+    out += [f"{rel}:{n.lineno} {n.value.id}.{n.attr}" for n in ast.walk(tree(rel))
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+            and n.value.id in imported and n.attr.startswith("_") and not n.attr.startswith("__")]
+    return out
+
+
+def test_no_private_names_across_modules():
+    """A `_name` is its module's own: another module (outside tests/) that needs it needs
+    a public name (and the owner then keeps it as an interface)."""
+    bad = [line for rel in python_files() if rel.parts[0] != "tests"
+           for line in private_imports(rel)]
+    assert not bad, "private names used across modules:\n" + "\n".join(bad)

@@ -32,7 +32,7 @@ from shared.contracts.messages import TokenChunk
 from . import protocol as P
 from .aborting import AbortOnExit, close
 from .protocol import OpenAIError
-from .respond import SSE_HEADERS, Answer, _client_gone, _Sse, next_chunk, whole_body
+from .respond import SSE_HEADERS, Answer, SseStream, client_gone, next_chunk, whole_body
 from .slowclients import sse_response
 from .validate import Prepared
 
@@ -72,7 +72,7 @@ class Choices:
         self.arrival = arrival
         self.client = gw.client
         self.deadline = arrival + self.client.request_timeout_s
-        self.gone = _client_gone(request)
+        self.gone = client_gone(request)
         self.seeds = choice_seeds(prep.params.seed, prep.options.n)
         self.salt = gw.cache_salt(request, prep)
         self.answers: list[Choice] = []
@@ -157,7 +157,7 @@ async def _whole(ch: Choices) -> web.Response:
 
 
 class _Indexed:
-    """What one choice's _Sse writes to: its chunks get the choice's index; its own usage
+    """What one choice's SseStream writes to: its chunks get the choice's index; its own usage
     chunk is dropped (the request's, over every choice, is sent at the end)."""
 
     def __init__(self, resp: web.StreamResponse, index: int, lock: asyncio.Lock):
@@ -179,7 +179,7 @@ async def _stream(ch: Choices) -> web.StreamResponse:
     o = ch.prep.options
 
     async def relay(ans: Choice) -> None:
-        await _Sse(_Indexed(resp, ans.index, lock), ans, ch.rid, created).relay(
+        await SseStream(_Indexed(resp, ans.index, lock), ans, ch.rid, created).relay(
             ch.client, ch.deadline, ch.gone)
 
     try:

@@ -186,7 +186,7 @@ async def answer(request: web.Request, client: DecodeClient, d: Dispatch, prep: 
         return await _complete(request, client, ans, rid, deadline)
 
 
-def _client_gone(request: web.Request) -> Callable[[], bool]:
+def client_gone(request: web.Request) -> Callable[[], bool]:
     def gone() -> bool:
         tr = request.transport
         return tr is None or tr.is_closing()
@@ -194,7 +194,7 @@ def _client_gone(request: web.Request) -> Callable[[], bool]:
 
 
 async def _complete(request, client, ans: Answer, rid, deadline) -> web.Response:
-    gone = _client_gone(request)
+    gone = client_gone(request)
     while not ans.d.finished:
         ans.add(await next_chunk(client, ans, deadline, gone))
     d = ans.d
@@ -227,9 +227,9 @@ async def _stream(request, client, ans: Answer, rid, deadline) -> web.StreamResp
     resp = sse_response(request, SSE_HEADERS | {"x-pdmesh-path": d.path.value,
                                                 "x-pdmesh-decode": d.instance})
     await resp.prepare(request)
-    sse = _Sse(resp, ans, rid, created)
+    sse = SseStream(resp, ans, rid, created)
     try:
-        await sse.relay(client, deadline, _client_gone(request))
+        await sse.relay(client, deadline, client_gone(request))
     except OpenAIError as e:
         # headers are gone: the error travels as an SSE event, then [DONE]
         await fail_stream(client, ans.metrics, ans.d, e)
@@ -239,7 +239,7 @@ async def _stream(request, client, ans: Answer, rid, deadline) -> web.StreamResp
     return resp
 
 
-class _Sse:
+class SseStream:
     """One streamed answer's chunks, written to its response. Only content deltas mark
     the answer as sent (the role chunk does not: a re-dispatch is still possible)."""
 

@@ -53,7 +53,7 @@ def tools_and_format(req: ChatCompletionRequest) -> tuple[list[dict] | None, Con
                                    f"'{'tools' if name == 'functions' else 'tool_choice'}': send "
                                    f"'tools' and 'tool_choice' instead", name)
     budget = SchemaBudget()           # every schema of the request, together
-    tools = _tools(req.tools, budget)
+    tools = openai_tools(req.tools, budget)
     kind, tool_name = _tool_choice(req.tool_choice, tools)
     fmt = _response_format(req.response_format, budget)
     if tools:
@@ -83,7 +83,7 @@ def tools_and_format(req: ChatCompletionRequest) -> tuple[list[dict] | None, Con
     return tools, constraint
 
 
-def _tools(tools, budget: SchemaBudget | None = None) -> list[dict] | None:
+def openai_tools(tools, budget: SchemaBudget | None = None) -> list[dict] | None:
     """The tools list in OpenAI form, only the fields we know (what the template renders and
     the constraint carries); None when there are none."""
     if not tools:

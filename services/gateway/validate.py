@@ -59,16 +59,16 @@ class Prepared:
 
 
 def parse_chat(body: bytes, spec: ModelSpec) -> Prepared:
-    return prepare_chat(_decode(body, ChatCompletionRequest), spec)
+    return prepare_chat(decode_body(body, ChatCompletionRequest), spec)
 
 
 def prepare_chat(req: ChatCompletionRequest, spec: ModelSpec) -> Prepared:
     """A decoded chat request -> Prepared (the Responses and Messages APIs translate their
     bodies into one, apis/)."""
-    _check_model(req.model, spec)
+    check_model(req.model, spec)
     _check_common(req)
     tools, constraint = tools_and_format(req)
-    messages = [_message_dict(i, m) for i, m in enumerate(req.messages)] if req.messages else None
+    messages = [message_dict(i, m) for i, m in enumerate(req.messages)] if req.messages else None
     if not messages:
         raise OpenAIError(400, "'messages' must contain at least one message", "messages")
     if req.top_logprobs is not None:
@@ -85,10 +85,10 @@ def prepare_chat(req: ChatCompletionRequest, spec: ModelSpec) -> Prepared:
     check_text_budget(text_chars(messages) + text_chars(tools), spec, "messages")
     try:
         prompt_ids = spec.tokenizer.encode_chat(messages, tools=tools)
-    except _template_errors() as e:
+    except template_errors() as e:
         raise OpenAIError(400, f"the chat template cannot render these messages: {e}",
                           "messages") from e
-    max_tokens = _fit_context(len(prompt_ids), requested, spec.max_model_len, "messages", max_param,
+    max_tokens = fit_context(len(prompt_ids), requested, spec.max_model_len, "messages", max_param,
                               cap=spec.default_max_tokens)
     params = _final(params, max_tokens, spec, max_param, chat=True)
     parse_calls = constraint.kind in TOOL_KINDS
@@ -98,8 +98,8 @@ def prepare_chat(req: ChatCompletionRequest, spec: ModelSpec) -> Prepared:
 
 
 def parse_completion(body: bytes, spec: ModelSpec) -> Prepared:
-    req = _decode(body, CompletionRequest)
-    _check_model(req.model, spec)
+    req = decode_body(body, CompletionRequest)
+    check_model(req.model, spec)
     _check_common(req)
     if req.echo:
         raise OpenAIError(400, "'echo' is not supported", "echo")
@@ -121,7 +121,7 @@ def parse_completion(body: bytes, spec: ModelSpec) -> Prepared:
     if bad:
         raise OpenAIError(400, f"prompt token ids out of range [0, {spec.vocab_size}): {bad[:5]}",
                           "prompt")
-    max_tokens = _fit_context(len(ids), requested, spec.max_model_len, "prompt", "max_tokens")
+    max_tokens = fit_context(len(ids), requested, spec.max_model_len, "prompt", "max_tokens")
     params = _final(params, max_tokens, spec, "max_tokens", chat=False)
     return Prepared(ids, params, Constraint(), _options(req, spec, chat=False,
                                                          logprobs=req.logprobs is not None))
@@ -133,7 +133,7 @@ _AT = re.compile(r" - at `\$(.*)`$")
 _MISSING = re.compile(r"^Object missing required field `([^`]+)`")
 
 
-def _decode(body: bytes, typ: type):
+def decode_body(body: bytes, typ: type):
     try:
         return msgspec.json.decode(body, type=typ)
     except msgspec.ValidationError as e:
@@ -157,7 +157,7 @@ def _type_error(msg: str) -> OpenAIError:
     return OpenAIError(400, f"Invalid type for '{path}': {text}", path)
 
 
-def _check_model(model: str | None, spec: ModelSpec) -> None:
+def check_model(model: str | None, spec: ModelSpec) -> None:
     if not spec.accepts(model):
         raise OpenAIError(404, f"The model `{model}` does not exist; this server serves "
                                f"`{spec.name}`.", "model", code="model_not_found")
@@ -179,7 +179,7 @@ def _check_common(req) -> None:
 # ---- chat messages -----------------------------------------------------------------------
 
 
-def _message_dict(i: int, m: ChatMessage) -> dict:
+def message_dict(i: int, m: ChatMessage) -> dict:
     p = f"messages[{i}]"
     if m.role not in ROLES:
         raise OpenAIError(400, f"'{p}.role' must be one of 'system', 'user', 'assistant', "
@@ -240,7 +240,7 @@ def _call_dict(p: str, call) -> dict:
     return out
 
 
-def _template_errors() -> tuple[type[Exception], ...]:
+def template_errors() -> tuple[type[Exception], ...]:
     """What rendering a client's messages and tools may raise: the client's doing, a 400."""
     from jinja2 import TemplateError
     return (TemplateError, RecursionError, TypeError, ValueError)
@@ -338,7 +338,7 @@ def _check(params: SamplingParams, spec: ModelSpec, max_param: str, chat: bool) 
         raise OpenAIError(400, str(e), param) from None
 
 
-def _fit_context(n_prompt: int, requested: int | None, window: int, prompt_name: str,
+def fit_context(n_prompt: int, requested: int | None, window: int, prompt_name: str,
                  max_param: str, cap: int | None = None) -> int:
     """max_tokens for the request: as asked if it fits the window, else a 400 with the numbers
     (vLLM's wording); chat's default is whatever the window leaves, at most `cap`

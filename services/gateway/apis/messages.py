@@ -28,7 +28,7 @@ import msgspec
 from .. import protocol as P
 from ..model import ModelSpec
 from ..protocol import OpenAIError
-from ..validate import _decode, _fit_context, prepare_chat
+from ..validate import decode_body, fit_context, prepare_chat
 from .common import Job
 
 
@@ -106,7 +106,7 @@ class Ctx(msgspec.Struct, kw_only=True):
 
 
 def parse_messages(body: bytes, spec: ModelSpec) -> Job:
-    req = _decode(body, MessagesRequest)
+    req = decode_body(body, MessagesRequest)
     _check(req)
     messages, prefill = _messages(req)
     system = _system(req.system)
@@ -278,6 +278,6 @@ def _choice(choice: AToolChoice | None, tools) -> tuple[str | None, str | None, 
 def _continue(prep, prefill: str, spec: ModelSpec, max_tokens: int):
     """Prefill: the prompt ends inside the assistant turn, with the given text."""
     ids = prep.prompt_ids + spec.tokenizer.encode(prefill, add_special_tokens=False)
-    fit = _fit_context(len(ids), max_tokens, spec.max_model_len, "messages", "max_tokens")
+    fit = fit_context(len(ids), max_tokens, spec.max_model_len, "messages", "max_tokens")
     params = msgspec.structs.replace(prep.params, max_tokens=fit)
     return type(prep)(ids, params, prep.constraint, prep.options)

@@ -29,7 +29,7 @@ import msgspec
 from .. import protocol as P
 from ..model import ModelSpec
 from ..protocol import OpenAIError
-from ..validate import _decode, prepare_chat
+from ..validate import decode_body, prepare_chat
 from .common import Job
 
 UNSUPPORTED = ("background", "conversation", "prompt")
@@ -121,7 +121,7 @@ class Ctx(msgspec.Struct, kw_only=True):
 def parse_responses(body: bytes, spec: ModelSpec, lookup) -> Job:
     """`lookup(previous_response_id)` -> that response's history (list of ChatMessage) or
     None (store.py)."""
-    req = _decode(body, ResponsesRequest)
+    req = decode_body(body, ResponsesRequest)
     _refuse(req)
     history: list[P.ChatMessage] = []
     if req.previous_response_id is not None:

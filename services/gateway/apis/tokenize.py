@@ -19,8 +19,8 @@ import msgspec
 from .. import protocol as P
 from ..model import ModelSpec
 from ..protocol import OpenAIError
-from ..structured import _tools
-from ..validate import _check_model, _decode, _message_dict, _template_errors
+from ..structured import openai_tools
+from ..validate import check_model, decode_body, message_dict, template_errors
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -41,8 +41,8 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 
 
 def tokenize(body: bytes, spec: ModelSpec) -> dict:
-    req = _decode(body, TokenizeRequest)
-    _check_model(req.model, spec)
+    req = decode_body(body, TokenizeRequest)
+    check_model(req.model, spec)
     if (req.prompt is None) == (req.messages is None):
         raise OpenAIError(400, "send exactly one of 'prompt' and 'messages'",
                           "prompt" if req.prompt is not None else "messages")
@@ -64,7 +64,7 @@ def _chat_ids(req: TokenizeRequest, spec: ModelSpec) -> list[int]:
     if req.continue_final_message and req.add_generation_prompt:
         raise OpenAIError(400, "'continue_final_message' and 'add_generation_prompt' cannot "
                                "both be true", "continue_final_message")
-    messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
+    messages = [message_dict(i, m) for i, m in enumerate(req.messages)]
     tail = ""
     if req.continue_final_message:
         if messages[-1]["role"] != "assistant":
@@ -73,17 +73,17 @@ def _chat_ids(req: TokenizeRequest, spec: ModelSpec) -> list[int]:
         tail = messages.pop()["content"]
     tok = spec.tokenizer
     try:
-        text = tok.render_chat(messages, _tools(req.tools),
+        text = tok.render_chat(messages, openai_tools(req.tools),
                                add_generation_prompt=req.add_generation_prompt or bool(tail))
-    except _template_errors() as e:
+    except template_errors() as e:
         raise OpenAIError(400, f"the chat template cannot render these messages: {e}",
                           "messages") from e
     return tok.encode(text + tail, add_special_tokens=bool(req.add_special_tokens))
 
 
 def detokenize(body: bytes, spec: ModelSpec) -> dict:
-    req = _decode(body, DetokenizeRequest)
-    _check_model(req.model, spec)
+    req = decode_body(body, DetokenizeRequest)
+    check_model(req.model, spec)
     bad = [t for t in req.tokens if not 0 <= t < spec.vocab_size]
     if bad:
         raise OpenAIError(400, f"'tokens' out of range [0, {spec.vocab_size}): {bad[:5]}",
