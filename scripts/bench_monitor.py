@@ -125,13 +125,9 @@ def make_engine(args) -> LLMEngine:
 def corrupt(eng: LLMEngine, r: Req) -> None:
     """r's prompt was just prefilled: corrupt its prompt blocks (as decode corrupts the KV
     prefill sent), before its first decode step."""
-    with eng.lock:
-        seq = eng.requests[r.rid].seq
-        blocks = seq.block_table[:eng.pool.blocks_for(len(seq.prompt_ids))]
-        others = [b for s in eng.scheduler.running if s.request_id != r.rid
-                  for b in s.block_table[:eng.pool.blocks_for(s.num_computed)]]
-        kind, scale = FAULTS[r.fault]
-        faults.corrupt(kind, eng.kv, blocks, r.params.seed, others, scale)
+    kind, scale = FAULTS[r.fault]
+    eng.port.tamper(r.rid, None, lambda kv, blocks, others: faults.corrupt(
+        kind, kv, blocks, r.params.seed, others, scale))
     r.corrupted = True
 
 

@@ -130,8 +130,7 @@ class KvstoreClient:
         kvstore in the background; the request never waits for it."""
         if not blocks:
             return
-        with engine.lock:
-            snap = wire.snapshot_blocks(engine.kv, blocks)    # each block's layers in order
+        snap = engine.port.snapshot(blocks, wire.snapshot_blocks)   # each block's layers in order
         task = asyncio.ensure_future(self._put(snap, keys))
         self.puts.add(task)
         task.add_done_callback(self.puts.discard)

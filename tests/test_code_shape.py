@@ -249,3 +249,34 @@ def test_no_private_names_across_modules():
     bad = [line for rel in python_files() if rel.parts[0] != "tests"
            for line in private_imports(rel)]
     assert not bad, "private names used across modules:\n" + "\n".join(bad)
+
+
+ENGINE_INTERNALS = {"lock", "pool", "scheduler", "requests", "prefix"}
+ENGINE_NAMES = {"eng", "engine"}
+
+
+def engine_reaches(rel: Path) -> list[str]:
+    """`engine.<internal>` / `eng.<internal>` / `x.engine.<internal>` in one file: the
+    engine's lock, block pool, scheduler, request table or prefix cache, or a private name."""
+    out = []
+    for n in ast.walk(tree(rel)):
+        if not isinstance(n, ast.Attribute):
+            continue
+        v = n.value
+        owner = v.id if isinstance(v, ast.Name) else v.attr if isinstance(v, ast.Attribute) \
+            else None
+        if owner in ENGINE_NAMES and (n.attr in ENGINE_INTERNALS or
+                                      n.attr.startswith("_") and not n.attr.startswith("__")):
+            out.append(f"{rel}:{n.lineno} {owner}.{n.attr}")
+    return out
+
+
+def test_only_the_engine_touches_its_lock_and_tables():
+    """Outside shared/engine/ (and tests/), an engine is used through its methods and its
+    KvPort (shared/engine/kv_port.py): nobody else takes its lock or reads its pool,
+    scheduler, request table or prefix cache, so every rule about what may change while
+    a step runs lives in the engine."""
+    bad = [line for rel in python_files()
+           if rel.parts[0] != "tests" and rel.parts[:2] != ("shared", "engine")
+           for line in engine_reaches(rel)]
+    assert not bad, "engine internals used outside shared/engine:\n" + "\n".join(bad)

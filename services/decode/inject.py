@@ -71,11 +71,9 @@ class FaultySlots:
         return self.inner.drop(rid, *args, **kw)
 
     def _corrupt(self, rid: str, kind: str, seed: int, blocks: list[int]) -> None:
-        eng = self.inner.engine
-        with eng.lock:
-            others = [b for s in eng.scheduler.running if s.request_id != rid
-                      for b in s.block_table[:eng.pool.blocks_for(s.num_computed)]]
-            faults.corrupt(kind, eng.kv, blocks, seed, others, self.f.noise_scale)
+        self.inner.engine.port.tamper(
+            rid, blocks, lambda kv, ids, others: faults.corrupt(kind, kv, ids, seed, others,
+                                                                self.f.noise_scale))
         self.injected[kind] += 1
         log.warning("%s: TEST ONLY fault %s injected into %d KV blocks", rid, kind, len(blocks))
 

@@ -135,7 +135,7 @@ class DecodeService:
         self.rt.spawn(self.reclaimer.run(self.cfg.prefill_timeout_s))
         self.rt.spawn(self.abort_orphans())
         log.info("decode %s ready (model %s, %d KV blocks)", self.iid, self.cfg.model,
-                 self.engine.pool.num_blocks)
+                 self.engine.port.num_blocks)
 
     async def serve(self) -> None:
         await self.start()
@@ -231,7 +231,7 @@ class DecodeService:
                                sub.request_id)
         if self.table.get(sub.request_id) is not None:
             raise ServiceError(ErrorCode.INVALID_REQUEST, "duplicate request id", sub.request_id)
-        queued = len(self.engine.scheduler.waiting) + self.table.awaiting_kv()
+        queued = self.engine.port.busy()[1] + self.table.awaiting_kv()
         if queued >= self.cfg.max_queued:
             raise ServiceError(ErrorCode.OVERLOADED, f"{queued} requests queued here "
                                f"(max_queued {self.cfg.max_queued})", sub.request_id)

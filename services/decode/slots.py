@@ -12,7 +12,8 @@
     drop     abort: the reserved blocks leave the sequence (freed or quarantined)
 
 Who may still write which blocks, and when quarantined blocks go back, is the request
-table's business (lifecycle.py); this module only touches the engine.
+table's business (lifecycle.py); this module only touches the engine, through its KvPort
+(shared/engine/kv_port.py).
 Test-only guard switch: epoch_fence=False lets every write land where it points, like a
 one-sided RDMA write with no fence.
 """
@@ -25,7 +26,6 @@ from shared.engine.block_pool import NoFreeBlocks
 from shared.engine.engine import LLMEngine
 from shared.engine.layer_load import LayerLoad
 from shared.engine.output import RequestOutput
-from shared.kv.wire import unpack_into
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,49 +49,27 @@ class KvSlots:
                 cache_salt: str = "") -> Slots:
         """Raises NoFreeBlocks when short (or too many requests await KV)."""
         eng = self.engine
-        if len(eng.scheduler.running) + held_now >= self.max_held:
+        if eng.port.busy()[0] + held_now >= self.max_held:
             raise NoFreeBlocks("too many requests awaiting KV")
         reserve = len(prompt_ids) + (params.max_tokens if eng.cfg.deterministic else 0)
-        seq, load = eng.hold(rid, prompt_ids, params, constraint, tier_blocks, reserve, replay,
-                             cache_salt)
-        with eng.lock:
-            skip = seq.num_cached // eng.cfg.block_size
-            dest = seq.block_table[skip:eng.pool.blocks_for(len(prompt_ids))]
-            return Slots(dest, [eng.pool.epoch[b] for b in dest], list(seq.block_table),
-                         skip, load)
+        return Slots(*eng.port.reserve(rid, prompt_ids, params, constraint, tier_blocks, reserve,
+                                       replay, cache_salt))
 
     def write(self, w: KvWrite, payload) -> bool:
         """Apply one KV write if the fence lets it land; whether it landed. ValueError
         when the payload does not fit the pool."""
-        eng = self.engine
-        with eng.lock:
-            landed = self._fence(w.block_ids, w.epochs)
-            if landed:
-                unpack_into(eng.kv, w.block_ids, w.layer_start, w.layer_end, payload, w.dtype,
-                            w.shape)
-            return landed
+        return self.engine.port.write(w, payload, self.epoch_fence)
 
     def fence_holds(self, w: KvWrite) -> bool:
         """Would the fence let this write land now? Asked on the event loop before the
         write's bytes are read, without the engine lock (a step may hold it): write()
         asks again under the lock."""
-        return self._fence(w.block_ids, w.epochs)
-
-    def _fence(self, block_ids: list[int], epochs: list[int]) -> bool:
-        pool = self.engine.pool
-        if len(block_ids) != len(epochs) or not all(0 <= b < pool.num_blocks for b in block_ids):
-            return False
-        if not self.epoch_fence:
-            return True
-        return all(pool.epoch[b] == e for b, e in zip(block_ids, epochs))
+        return self.engine.port.fence_holds(w.block_ids, w.epochs, self.epoch_fence)
 
     def start(self, rid: str, first_token: int, logprob=None, top_logprobs=None) -> RequestOutput:
         """Raises ReplayError (request dropped) if the first token breaks decode's grammar:
         prefill and decode disagree about the constraint, and guessing would be wrong."""
-        eng = self.engine
-        with eng.lock:
-            eng.pool.restamp(eng.requests[rid].seq.block_table)
-            return eng.resume(rid, first_token, logprob, top_logprobs)
+        return self.engine.port.start(rid, first_token, logprob, top_logprobs)
 
     def fallback(self, rid: str, keep_blocks: bool) -> None:
         """Prefill here, in fresh blocks. keep_blocks: the reserved ones stay out of the

@@ -6,8 +6,7 @@ Life cycle of a request:
      samples the next one -> output processor (detokenize, stop checks)
   -> FINISHED (blocks freed; a prefill-only request keeps them until release()).
 
-Phases of a step: schedule -> build the flat batch (batch.py) -> run the model ->
-sample -> postprocess.
+Phases of a step: schedule -> flat batch (batch.py) -> model -> sample -> postprocess.
 
 Held sequences: hold() allocates a prompt's blocks without scheduling it, for a caller
 that fills their KV from outside (decode's PD slots, services/decode/slots.py); resume()
@@ -17,11 +16,11 @@ detach_blocks() hands a held sequence's blocks to the caller, who frees them lat
 
 Prefix cache (L1) and lower-tier loads: prefix_cache.py. Speculative decoding: decode steps
 carry k draft tokens that one target forward verifies (spec/runner.py).
-
-Threading: step() may run in a worker thread while the service's event loop adds,
-aborts and applies KV writes. Bookkeeping happens under `lock`; the forward pass runs
-without it. An abort that arrives during a forward is applied right after it, so a
-freed block can never be written by a forward that is still running (release() too).
+Threading: step() may run in a worker thread while the service's event loop adds, aborts
+and applies KV writes (through `port`, kv_port.py: the only way in from outside). State
+changes under `lock`; the forward pass runs without it. An abort that arrives during a
+forward is applied right after it, so a freed block can never be written by a forward
+that is still running (release() too).
 """
 from __future__ import annotations
 
@@ -38,6 +37,7 @@ from shared.contracts.messages import FinishReason
 from .batch import build_batch
 from .block_pool import BlockPool
 from .config import EngineConfig
+from .kv_port import KvPort
 from .layer_load import LayerLoad, LoadFailed
 from .limits import check_request
 from .loader import draft_config, load_config
@@ -85,8 +85,7 @@ class LLMEngine:
         if dc is not None:
             self._start_speculation(dc, num_blocks)
         self.requests: dict[str, _Req] = {}
-        self._arrival = itertools.count()
-        self._rng = random.Random()
+        self._arrival, self._rng = itertools.count(), random.Random()
         self.lock = threading.RLock()
         self._inflight: set[str] = set()
         self._deferred_aborts: set[str] = set()
@@ -101,6 +100,7 @@ class LLMEngine:
                                       str(cfg.block_size))
         self.prefix = PrefixCache(cfg, self.pool, self.kv, mc.num_layers, self.cache_salt,
                                   self.lock, self.counters)
+        self.port = KvPort(self)      # what PD services do to the KV from outside step()
 
     def _start_speculation(self, dc, num_blocks: int) -> None:
         from .spec.runner import SpecRunner

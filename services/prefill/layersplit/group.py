@@ -158,9 +158,7 @@ class LayerSplitGroup:
         todo = self.shard.missing(keys)
         if not todo:
             return
-        ids = torch.tensor([blocks[i] for i in todo], dtype=torch.long)
-        with engine.lock:
-            snap = engine.kv[:, :, ids].to("cpu", copy=True)   # [L, 2, n, BS, Hkv, D]
+        snap = engine.port.snapshot([blocks[i] for i in todo])   # [L, 2, n, BS, Hkv, D]
         try:
             self.inserts.put_nowait(([keys[i] for i in todo], snap))
         except queue.Full:
