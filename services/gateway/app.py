@@ -74,7 +74,8 @@ class Gateway:
                                    self.cfg.request_timeout_s,
                                    max_redispatch=self.cfg.max_redispatch,
                                    max_migrations=self.cfg.max_migrations,
-                                   progress_timeout_s=self.cfg.progress_timeout_s)
+                                   progress_timeout_s=self.cfg.progress_timeout_s,
+                                   first_chunk_timeout_s=self.cfg.first_chunk_timeout_s)
         await self.client.start()
         self.body_limit = limits.body_limit(self.cfg.max_body_bytes, self.runtime.nc.max_payload)
         self.runtime.spawn(self.grammar.warm())

@@ -71,6 +71,10 @@ class GatewayConfig:
     progress_timeout_s: float = field(default=60.0, metadata=_help(
         "a request that gets no chunk for this long is treated like one whose decode "
         "instance was lost (migrated)"))
+    first_chunk_timeout_s: float = field(default=600.0, metadata=_help(
+        "the same before a request's first token: its prompt's prefill, which takes a "
+        "minute for 8,000 tokens on a 2-core CPU (a dead instance is found by its "
+        "heartbeat within seconds either way)"))
     api_key: str = field(default="", metadata={"repeat": True, "help": (
         "API key clients must send (Authorization: Bearer KEY, or x-api-key: KEY) on /v1/*, "
         "/tokenize, /detokenize and /metrics; repeat the flag or comma-separate for several "

@@ -19,7 +19,8 @@ Life cycle of a request:
   migrate     after the request's instance was lost (invariant 7): next_chunk raises Lost
               when the instance stops heartbeating, when a chunk's seq is not the next one
               (a chunk was lost: never taken for the end), or when no chunk came for
-              progress_timeout_s. The request moves to another instance as prompt + the
+              progress_timeout_s (first_chunk_timeout_s before the first: a prompt's
+              prefill). The request moves to another instance as prompt + the
               tokens received so far (resume_from: decode's grammar replays them; the
               sampler's stream is keyed by position, so a seeded stream continues as one
               generation), with max_tokens/min_tokens reduced by what was received; at most
@@ -117,7 +118,8 @@ class DecodeClient:
     def __init__(self, nc, registry: Registry, instance_id: str, fingerprint: str,
                  submit_timeout_s: float, request_timeout_s: float, tick_s: float = 0.5,
                  clock: Callable[[], float] = time.monotonic, max_redispatch: int = 2,
-                 max_migrations: int = 3, progress_timeout_s: float = 60.0):
+                 max_migrations: int = 3, progress_timeout_s: float = 60.0,
+                 first_chunk_timeout_s: float = 600.0):
         self.nc = nc
         self.registry = registry
         self.instance_id = instance_id
@@ -128,6 +130,7 @@ class DecodeClient:
         self.max_redispatch = max_redispatch
         self.max_migrations = max_migrations
         self.progress_timeout_s = progress_timeout_s
+        self.first_chunk_timeout_s = first_chunk_timeout_s
         self.tick_s = min(tick_s, registry.dead_after_s / 4)
         self.clock = clock
         self.queues: dict[str, asyncio.Queue] = {}
@@ -343,9 +346,16 @@ class DecodeClient:
         if d.incarnation and now_serving and now_serving != d.incarnation:
             raise Lost(f"decode instance {d.instance} restarted (a new process) while serving "
                        "this request", "instance_restarted")
-        if now - d.progress_at > self.progress_timeout_s:
-            raise Lost(f"decode instance {d.instance} sent nothing for this request in "
-                       f"{now - d.progress_at:.0f}s (progress_timeout_s)", "no_progress")
+        # a long prompt's prefill on a slow host legitimately takes minutes (8,000 tokens
+        # of SmolLM2 on 2 cores: ~60 s); a live instance is trusted that long
+        first = d.next_seq == 0
+        limit = self.first_chunk_timeout_s if first else self.progress_timeout_s
+        if now - d.progress_at > limit:
+            what = "no first token" if first else "nothing"
+            raise Lost(f"decode instance {d.instance} sent {what} for this request in "
+                       f"{now - d.progress_at:.0f}s ("
+                       f"{'first_chunk_timeout_s' if first else 'progress_timeout_s'})",
+                       "no_progress")
 
     async def abort(self, d: Dispatch, reason: str) -> None:
         if not d.finished:

@@ -77,3 +77,28 @@ async def test_the_gateway_s_own_shutdown_is_not_handed_on(nats_url):
     c = await client.next_chunk(d, time.monotonic() + 10)
     assert c.error.code is ErrorCode.SHUTTING_DOWN
     await nc.close()
+
+
+async def test_a_long_prefill_is_waited_for_but_a_stalled_stream_moves_on(nats_url):
+    """Before its first token a request is a prompt being prefilled (8,000 tokens take a
+    minute on 2 cores): a live instance gets first_chunk_timeout_s. Once tokens flow, a
+    gap of progress_timeout_s is a lost chunk and the request moves on."""
+    nc, reg, client, d = await _accepted(nats_url)
+    client.progress_timeout_s, client.first_chunk_timeout_s = 0.3, 30.0
+
+    async def beat():
+        while True:
+            reg.observe(Heartbeat(service="decode", instance_id="d_0", incarnation="first"),
+                        time.monotonic())
+            await asyncio.sleep(0.05)
+
+    hb = asyncio.ensure_future(beat())
+    with pytest.raises(asyncio.TimeoutError):          # 1.5 s of prefill: still waiting
+        await asyncio.wait_for(client.next_chunk(d, time.monotonic() + 10), 1.5)
+    d.queue.put_nowait(TokenChunk(request_id="r1", seq=0, token_ids=[7], finished=False))
+    assert (await client.next_chunk(d, time.monotonic() + 10)).token_ids == [7]
+    with pytest.raises(Lost) as e:                    # then silence: lost
+        await client.next_chunk(d, time.monotonic() + 10)
+    assert e.value.reason == "no_progress"
+    hb.cancel()
+    await nc.close()
