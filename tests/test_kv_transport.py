@@ -143,11 +143,13 @@ async def test_slow_transport_delays_and_delivers():
 # ---- KvSender + WriteLedger over the in-memory transport ---------------------------------
 
 class Engine:
-    """What KvSender reads from the prefill engine: the pool and a request's kept blocks."""
+    """What KvSender reads from the prefill engine: the pool, a request's kept blocks and
+    the chunk size (a prompt longer than one chunk is a link measurement)."""
 
     def __init__(self, blocks):
         self.kv = pool(seed=3)
         self.blocks = blocks
+        self.cfg = type("Cfg", (), {"chunk_size": 512})()
 
     def kept_blocks(self, local_id):
         return list(self.blocks)
