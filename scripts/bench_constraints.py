@@ -10,20 +10,19 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from pdmesh.workloads import CANON, SCHEMA, TOOLS
+from shared.contracts.constraint import Constraint, ConstraintKind
+from shared.contracts.sampling import SamplingParams
+from shared.engine.config import EngineConfig
+from shared.engine.engine import LLMEngine
 
-from shared.contracts.constraint import Constraint, ConstraintKind  # noqa: E402
-from shared.contracts.sampling import SamplingParams  # noqa: E402
-from shared.engine.config import EngineConfig  # noqa: E402
-from shared.engine.engine import LLMEngine  # noqa: E402
-from tests.e2e.test_constraints_pd import CANON, SCHEMA, TOOLS  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 
 def log(msg):

@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 CONFIGS = {"torch": {"PDMESH_CPU_EXT": "0", "PDMESH_NO_PREPACK": "1"},
            "c++": {"PDMESH_NO_PREPACK": "1"},

@@ -16,19 +16,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from pdmesh.workloads import CODE_PROMPTS
+from shared.contracts.sampling import SamplingParams
+from shared.engine.config import EngineConfig
+from shared.engine.engine import LLMEngine
 
-from shared.contracts.sampling import SamplingParams  # noqa: E402
-from shared.engine.config import EngineConfig  # noqa: E402
-from shared.engine.engine import LLMEngine  # noqa: E402
-from tests.conftest import CODE_PROMPTS  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 
 def log(msg: str) -> None:

@@ -29,17 +29,18 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgspec
+import nats
+import numpy as np
+
+from pdmesh.rawnats import log
+from shared.contracts.kv import KvWrite, KvWriteAck
+from shared.kv import wire
+from shared.kv.transport import receive
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-import msgspec  # noqa: E402
-import nats  # noqa: E402
-import numpy as np  # noqa: E402
 
-from pdmesh.rawnats import log  # noqa: E402
-from shared.contracts.kv import KvWrite, KvWriteAck  # noqa: E402
-from shared.kv import wire  # noqa: E402
-from shared.kv.transport import receive  # noqa: E402
 
 SIZES = (64 << 10, 1 << 20, 4 << 20)
 WINDOW = 8

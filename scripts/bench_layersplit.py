@@ -27,14 +27,14 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from pdmesh.agentload import run_turns
+from pdmesh.cluster import Cluster
+from shared import micro
+from shared.engine.loader import load_config
+from shared.engine.tokenizer import Tokenizer
 
-from pdmesh.agentload import run_turns  # noqa: E402
-from pdmesh.cluster import Cluster  # noqa: E402
-from shared import micro  # noqa: E402
-from shared.engine.loader import load_config  # noqa: E402
-from shared.engine.tokenizer import Tokenizer  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+
 
 
 def mesh(model: str, group: bool, cache_mb: float, pool_mb: int) -> Cluster:

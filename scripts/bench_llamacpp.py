@@ -33,11 +33,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from pdmesh.bench_report import save
+from pdmesh.loadgen import percentile
 
-from pdmesh.bench_report import save  # noqa: E402
-from pdmesh.loadgen import percentile  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 PROMPTS = [
     "Explain how a hash table works.", "Write a short story about a lighthouse keeper.",

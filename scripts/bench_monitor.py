@@ -35,23 +35,22 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from services.decode import faults
+from services.decode.monitor import RULES, AnomalyMonitor, MonitorConfig
+from shared.contracts.sampling import SamplingParams
+from shared.engine.config import EngineConfig
+from shared.engine.engine import LLMEngine
+from synth_chat import chat_dialogue
+from train_models import stdlib_sources
 
-from scripts.synth_chat import chat_dialogue  # noqa: E402
-from scripts.train_models import stdlib_sources  # noqa: E402
-from services.decode import faults  # noqa: E402
-from services.decode.monitor import RULES, AnomalyMonitor, MonitorConfig  # noqa: E402
-from shared.contracts.sampling import SamplingParams  # noqa: E402
-from shared.engine.config import EngineConfig  # noqa: E402
-from shared.engine.engine import LLMEngine  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 # row -> (faults.py kind, noise scale): the four kinds as decode injects them by default,
 # then stronger noise, to show where detection starts

@@ -32,14 +32,14 @@ from pathlib import Path
 import aiohttp
 import nats
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from pdmesh.cluster import Cluster
+from pdmesh.loadgen import completion_body, run_level
+from pdmesh.rawnats import log, raw_run, responder_main
+from shared import micro, subjects
+from shared.natsconn import NatsAuth
 
-from pdmesh.cluster import Cluster  # noqa: E402
-from pdmesh.loadgen import completion_body, run_level  # noqa: E402
-from pdmesh.rawnats import log, raw_run, responder_main  # noqa: E402
-from shared import micro, subjects  # noqa: E402
-from shared.natsconn import NatsAuth  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+
 
 MODES = {"off": {"nats_auth": False}, "auth": {"nats_auth": True},
          "auth+tls": {"nats_auth": True, "nats_tls": True}}

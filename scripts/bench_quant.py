@@ -23,23 +23,22 @@ import argparse
 import inspect
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from pdmesh.bench_report import save
+from pdmesh.workloads import CODE_PROMPTS
+from shared.contracts.sampling import SamplingParams
+from shared.engine.config import EngineConfig
+from shared.engine.engine import LLMEngine
+from shared.engine.gguf_convert import default_model_dir
+from shared.engine.model import one_prompt
 
-from pdmesh.bench_report import save  # noqa: E402
-from shared.contracts.sampling import SamplingParams  # noqa: E402
-from shared.engine.config import EngineConfig  # noqa: E402
-from shared.engine.engine import LLMEngine  # noqa: E402
-from shared.engine.gguf_convert import default_model_dir  # noqa: E402
-from shared.engine.model import one_prompt  # noqa: E402
-from tests.conftest import CODE_PROMPTS  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 CHAT_PROMPTS = ["What is the capital of France?", "Give me three tips for sleeping better.",
                 "Explain what a hash table is.", "Write a haiku about autumn.",

@@ -23,12 +23,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from pdmesh.chaos import GUARDS, HAZARD, ChaosConfig, headline, run, with_guards
+from pdmesh.chaos_plot import plot_compare, plot_run
+from pdmesh.chaos_report import compare, sound
 
-from pdmesh.chaos import GUARDS, HAZARD, ChaosConfig, headline, run, with_guards  # noqa: E402
-from pdmesh.chaos_plot import plot_compare, plot_run  # noqa: E402
-from pdmesh.chaos_report import compare, sound  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 
 def args() -> argparse.Namespace:

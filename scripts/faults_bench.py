@@ -28,14 +28,14 @@ from pathlib import Path
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from pdmesh.faultload import Load, metric, pct, references
+from pdmesh.launched import UpMesh
+from pdmesh.workloads import CODE_PROMPTS
+from shared import micro
+from shared.faults import ALLOW_ENV
 
-from pdmesh.faultload import Load, metric, pct, references  # noqa: E402
-from pdmesh.launched import UpMesh  # noqa: E402
-from shared import micro  # noqa: E402
-from shared.faults import ALLOW_ENV  # noqa: E402
-from tests.conftest import CODE_PROMPTS  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 MODEL = ROOT / "models" / "tiny-target"
 MAX_TOKENS = 64

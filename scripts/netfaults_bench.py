@@ -30,14 +30,14 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from pdmesh import netlab
+from pdmesh.faultload import Load, metric, references
+from pdmesh.launched import UpMesh
+from pdmesh.workloads import CODE_PROMPTS
+from shared import micro
 
-from pdmesh import netlab  # noqa: E402
-from pdmesh.faultload import Load, metric, references  # noqa: E402
-from pdmesh.launched import UpMesh  # noqa: E402
-from shared import micro  # noqa: E402
-from tests.conftest import CODE_PROMPTS  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 MODEL = ROOT / "models" / "tiny-target"
 MAX_TOKENS = 64

@@ -28,8 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import synth_chat  # noqa: E402
+import synth_chat
 
 REPO = Path(__file__).resolve().parent.parent
 

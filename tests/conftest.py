@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from pdmesh.workloads import CODE_PROMPTS  # noqa: F401 - the tests' prompts (from here)
+
 # the tests switch guards off and inject faults on purpose (shared/faults.py); services
 # started from here (in process or as children) inherit this
 os.environ.setdefault("PDMESH_ALLOW_FAULTS", "1")
@@ -15,17 +17,6 @@ TINY_TARGET = ROOT / "models" / "tiny-target"
 TINY_DRAFT = ROOT / "models" / "tiny-draft"
 SMOLLM2_DIR = Path(os.environ.get(
     "PDMESH_SMOLLM2_DIR", Path.home() / ".cache" / "pdmesh" / "models" / "SmolLM2-135M-Instruct"))
-
-CODE_PROMPTS = [
-    "def fibonacci(n):", "import os\n\ndef main():", "class Stack:\n    def __init__(self):",
-    "for i in range(10):", "def read_file(path):\n    with open(path) as f:",
-    "# Sort a list of numbers\n", "def is_prime(n):\n    if n < 2:", "try:\n    import json",
-    "def __repr__(self):", "while True:\n    line = input()", "x = [i * i for i in",
-    "def parse_args(argv):", "if __name__ == '__main__':", "from collections import",
-    "def add(a, b):\n    return", "    raise ValueError(", "async def fetch(url):",
-    "@property\ndef name(self):", "def test_addition():\n    assert", "lambda x:",
-    "The capital of France is", "Hello, my name is",
-]
 
 
 @pytest.fixture(scope="session")

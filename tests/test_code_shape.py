@@ -280,3 +280,20 @@ def test_only_the_engine_touches_its_lock_and_tables():
            if rel.parts[0] != "tests" and rel.parts[:2] != ("shared", "engine")
            for line in engine_reaches(rel)]
     assert not bad, "engine internals used outside shared/engine:\n" + "\n".join(bad)
+
+
+def test_scripts_are_entry_points_without_path_edits():
+    """The project is installed (`pip install -e .`): no module or script edits sys.path,
+    and none imports the tests (what a benchmark shares with a test is in pdmesh/)."""
+    bad = []
+    for rel in python_files():
+        if rel.parts[0] == "tests":
+            continue
+        for n in ast.walk(tree(rel)):
+            if isinstance(n, ast.Attribute) and n.attr == "path" and \
+                    isinstance(n.value, ast.Name) and n.value.id == "sys":
+                bad.append(f"{rel}:{n.lineno} sys.path")
+            elif isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] in (
+                    "tests", "scripts"):
+                bad.append(f"{rel}:{n.lineno} from {n.module}")
+    assert not bad, "\n".join(bad)

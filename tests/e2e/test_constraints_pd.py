@@ -14,46 +14,13 @@ import jsonschema
 import msgspec
 import nats
 
+from pdmesh.workloads import CANON, SCHEMA, TOOLS
 from shared import subjects
 from shared.contracts.common import encode
 from shared.contracts.constraint import Constraint, ConstraintKind
 from shared.contracts.messages import DecodeSubmit, Path, TokenChunk
 from shared.contracts.sampling import SamplingParams
 from shared.toolcalls import parse_tool_calls
-
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {
-            "city": {"type": "string"},
-            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-        "required": ["city"]}}},
-    {"type": "function", "function": {"name": "book_flight", "parameters": {
-        "type": "object", "properties": {
-            "passenger": {"type": "object", "properties": {
-                "name": {"type": "string"}, "age": {"type": "integer"}},
-                "required": ["name", "age"]},
-            "legs": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
-            "class": {"type": "string", "enum": ["economy", "business"]}},
-        "required": ["passenger", "legs"]}}},
-    {"type": "function", "function": {"name": "set_alarm", "parameters": {
-        "type": "object", "properties": {
-            "hour": {"type": "integer", "minimum": 0, "maximum": 23},
-            "minute": {"type": "integer", "minimum": 0, "maximum": 59},
-            "label": {"type": "string"}},
-        "required": ["hour", "minute"]}}},
-    {"type": "function", "function": {"name": "search", "parameters": {
-        "type": "object", "properties": {
-            "query": {"type": "string"}, "limit": {"type": "integer"},
-            "filters": {"type": "object", "properties": {
-                "lang": {"type": "string", "enum": ["en", "de", "fr"]},
-                "after": {"type": "string"}}}},
-        "required": ["query"]}}},
-]
-SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}},
-    "score": {"type": "number"}, "kind": {"type": "string", "enum": ["a", "b"]}},
-    "required": ["name", "kind"]}
-CANON = dict(sort_keys=True, separators=(",", ":"))
 
 
 def constraints(rng: random.Random):
