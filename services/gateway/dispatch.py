@@ -20,11 +20,13 @@ Life cycle of a request:
               when the instance stops heartbeating, when a chunk's seq is not the next one
               (a chunk was lost: never taken for the end), or when no chunk came for
               progress_timeout_s (first_chunk_timeout_s before the first: a prompt's
-              prefill). The request moves to another instance as prompt + the
-              tokens received so far (resume_from: decode's grammar replays them; the
-              sampler's stream is keyed by position, so a seeded stream continues as one
-              generation), with max_tokens/min_tokens reduced by what was received; at most
-              max_migrations times, then the Lost error reaches the client.
+              prefill), or when none came in the dead_after_s after this gateway's own
+              NATS connection came back (chunks sent while it was down are gone). The
+              request moves to another instance as prompt + the tokens received so far
+              (resume_from: decode's grammar replays them; the sampler's stream is keyed
+              by position, so a seeded stream continues as one generation), with
+              max_tokens/min_tokens reduced by what was received; at most max_migrations
+              times, then the Lost error reaches the client.
 """
 from __future__ import annotations
 
@@ -342,6 +344,13 @@ class DecodeClient:
             conn = "" if self.nc.is_connected else " (this gateway is not connected to NATS)"
             raise Lost(f"decode instance {d.instance} stopped sending heartbeats "
                        f"({silent:.1f}s silent) while serving this request{conn}", "instance_dead")
+        if d.progress_at < self._reconnected_at:
+            # this gateway was cut off from NATS: chunks sent meanwhile are gone, and a
+            # request whose last one was among them would wait for progress_timeout_s
+            raise Lost(f"this gateway's NATS connection was down while decode instance "
+                       f"{d.instance} served the request, and nothing came in the "
+                       f"{self.registry.dead_after_s:g}s after it was back (its chunks were "
+                       "lost)", "gateway_reconnected")
         now_serving = self.registry.incarnation(d.instance)
         if d.incarnation and now_serving and now_serving != d.incarnation:
             raise Lost(f"decode instance {d.instance} restarted (a new process) while serving "

@@ -102,3 +102,37 @@ async def test_a_long_prefill_is_waited_for_but_a_stalled_stream_moves_on(nats_u
     assert e.value.reason == "no_progress"
     hb.cancel()
     await nc.close()
+
+
+async def test_after_its_own_nats_reconnect_a_silent_request_moves_on(nats_url):
+    """This gateway's NATS connection was down for a while (a partition of its host):
+    chunks sent meanwhile are gone. A request whose last chunk was among them would wait
+    progress_timeout_s (60 s, the compose cluster measured it); it moves on once the
+    heartbeats are back (dead_after_s) and nothing came for it. One that hears a chunk
+    after the reconnect is fine."""
+    nc, reg, client, d = await _accepted(nats_url)
+    d2 = await client.submit("r2", [1, 2], SamplingParams(), Constraint())
+    reg.dead_after_s, client.tick_s = 0.4, 0.05
+
+    async def beat():
+        while True:
+            reg.observe(Heartbeat(service="decode", instance_id="d_0", incarnation="first"),
+                        time.monotonic())
+            await asyncio.sleep(0.05)
+
+    hb = asyncio.ensure_future(beat())
+    for x, rid in ((d, "r1"), (d2, "r2")):
+        x.queue.put_nowait(TokenChunk(request_id=rid, seq=0, token_ids=[7], finished=False))
+        await client.next_chunk(x, time.monotonic() + 10)
+    nc.stats["reconnects"] += 1                      # the connection came back just now
+    client.blind()
+    d2.queue.put_nowait(TokenChunk(request_id="r2", seq=1, token_ids=[8], finished=False))
+    assert (await client.next_chunk(d2, time.monotonic() + 10)).token_ids == [8]
+    t0 = time.monotonic()
+    with pytest.raises(Lost) as e:
+        await client.next_chunk(d, time.monotonic() + 10)
+    assert e.value.reason == "gateway_reconnected" and time.monotonic() - t0 < 2.0
+    with pytest.raises(asyncio.TimeoutError):        # r2 heard from decode: still waiting
+        await asyncio.wait_for(client.next_chunk(d2, time.monotonic() + 10), 1.0)
+    hb.cancel()
+    await nc.close()
