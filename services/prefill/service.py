@@ -20,7 +20,6 @@ attempt. Test-only faults wrap the kvstore client, the transport and the sender
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import functools
 import logging
 import time
@@ -42,7 +41,7 @@ from shared.kv.nats_transport import NatsKvTransport
 from shared.kv.shm import host_id
 from shared.kv.shm_transport import ShmKvTransport
 from shared.kv.writeback import WriteBack
-from shared.precompile import compiles, precompile
+from shared.precompile import precompile
 from shared.service import ServiceRuntime, new_instance_id
 
 from . import claiming, inject, layersplit
@@ -165,34 +164,28 @@ class PrefillService:
                 await asyncio.sleep(0.5)
                 continue
             self.active += 1
-            # the next pull request waits until this job is in the engine (or waits on
-            # another service, or is over): a short prompt's compute starts first
-            begun = asyncio.get_running_loop().create_future()
-            task = self.rt.spawn(self.run_job(msgs[0], begun))
-            await asyncio.wait({begun, task}, return_when=asyncio.FIRST_COMPLETED)
+            self.rt.spawn(self.run_job(msgs[0]))
 
-    async def run_job(self, msg, begun: asyncio.Future | None = None) -> None:
+    async def run_job(self, msg) -> None:
         try:
             with tracing.server("prefill", "job", getattr(msg, "headers", None), "CONSUMER"):
                 if tracing.ON:
                     tracing.interval("queue", _queued_ns(msg))   # in the work queue
-                await self._run_job(msg, begun)
+                await self._run_job(msg)
         finally:
             self.active -= 1
             self.slots.release()
 
-    async def _run_job(self, msg, begun: asyncio.Future | None = None) -> None:
+    async def _run_job(self, msg) -> None:
         try:
             job = JOB.decode(msg.data)
         except ContractError as e:
             self.counters["bad_jobs"] += 1
             log.warning("dropping malformed job: %s", e)
-            _resolve(begun)
             await msg.term()
             return
         problem = claiming.refuse_reason(self.engine, self.fingerprint, job)
         if problem:
-            _resolve(begun)
             await self.finish(job, msg, claiming.failed_done(job, self.iid, *problem))
             return
         if _deliveries(msg) > 1:
@@ -201,8 +194,7 @@ class PrefillService:
         entry = self.ledger.open(job.request_id, attempt, job.dest.instance_id)
         keepalive = self.rt.spawn(keep_in_progress(msg, self.cfg.ack_wait_s / 3))
         try:
-            done = await self.attempt(job, attempt, redelivered=_deliveries(msg) > 1,
-                                      begun=begun)
+            done = await self.attempt(job, attempt)
         finally:
             keepalive.cancel()
             self.ledger.close(attempt, time.monotonic())
@@ -214,39 +206,25 @@ class PrefillService:
             done = msgspec.structs.replace(done, writes_issued=entry.issued)
         await self.finish(job, msg, done, delivered=delivered)
 
-    async def attempt(self, job: PrefillJob, attempt: str, redelivered: bool = False,
-                      begun: asyncio.Future | None = None) -> PrefillDone | None:
+    async def attempt(self, job: PrefillJob, attempt: str) -> PrefillDone | None:
         """Claim, compute, write. None when decode refused the claim or reclaimed it.
 
-        A job's first delivery claims while it computes: the prompt goes into the engine
-        first and the claim's round trip is off the critical path, no write starts before
-        the grant (the ledger), and a refusal that comes first stops the compute. A
-        redelivered job (its first worker died: the request may be gone) and a
-        layer-streamed one (its writes start during the compute) claim first, so a
-        refused claim costs them no compute. `begun` is resolved once the prompt is in the
-        engine or the attempt waits on another service."""
+        Every attempt claims first: a refused claim (the request was aborted, or a
+        redelivered job's request is gone) costs no compute, and no write starts before
+        the grant (the ledger). A reclaim that lands during the compute cancels the
+        attempt once the compute is over."""
         local_id = f"{job.request_id}/{attempt[:8]}"
-        stream = self.sender.will_stream(job, self.engine)     # layer-wise KV streaming?
-        claim = None if not (redelivered or stream) else self._claim(job, attempt, begun=begun)
-        if claim is not None and not await claim:
+        if not await claiming.claim(self.peers, self.ledger, self.iid, job, attempt,
+                                    self.cfg.claim_timeout_s):
             self.counters["jobs_refused"] += 1
             return None
-        t0, work = time.monotonic(), None
+        t0 = time.monotonic()
         try:
-            if stream:
+            if self.sender.will_stream(job, self.engine):     # layer-wise KV streaming
                 self.sender.open(job, self.engine, local_id, attempt)
-            outside = contextvars.copy_context()        # the claim's span is not compute's
             with tracing.span("compute", prompt_tokens=len(job.prompt_ids)):
-                work = asyncio.ensure_future(self.compute(local_id, job, begun))
-                claim = claim or self._claim(job, attempt, outside)   # after work's first step
-                await asyncio.wait({claim, work}, return_when=asyncio.FIRST_COMPLETED)
-                refused_first = claim.done() and not claim.result()
-                if not refused_first:
-                    out, tier = await work
+                out, tier = await self.compute(local_id, job)
             compute_s = time.monotonic() - t0
-            if not await claim:
-                self.counters["jobs_refused"] += 1
-                return None
             self.sender.computed(job, self.engine, tier, compute_s)
             if self.ledger.get(attempt).phase is Phase.CANCELLED:
                 raise Reclaimed(f"{job.request_id}: reclaimed before its last write")
@@ -258,31 +236,13 @@ class PrefillService:
             return None
         except Exception as e:  # noqa: BLE001 - report, never crash the worker
             log.warning("%s: prefill failed: %r", job.request_id, e)
-            _resolve(begun)          # the attempt waits on decode's answer now
-            granted = await (claim or self._claim(job, attempt))   # (an early claim's first)
             self.ledger.stop(attempt)
-            if not granted:          # decode wants nothing from an attempt it did not grant
-                return None
             await self.sender.wait_idle(attempt)
             return claiming.failed_done(job, self.iid, ErrorCode.PREFILL_FAILED, repr(e), attempt)
         finally:
-            if claim is not None:    # (answered by now, unless the attempt was cancelled)
-                claim.cancel()
-            if work is not None and not work.done():     # refused while computing
-                work.cancel()
-                self.pending.pop(local_id, None)
-                self.engine.abort(local_id)
+            self.pending.pop(local_id, None)     # (cancelled while computing)
             self.sender.drop(local_id)
             self.engine.release(local_id)
-
-    def _claim(self, job: PrefillJob, attempt: str, context=None,
-               begun: asyncio.Future | None = None) -> asyncio.Task:
-        """Send the attempt's claim (in `context`: the job's span); `begun` is resolved,
-        as the attempt now waits on decode."""
-        _resolve(begun)
-        return asyncio.get_running_loop().create_task(
-            claiming.claim(self.peers, self.ledger, self.iid, job, attempt,
-                           self.cfg.claim_timeout_s), context=context)
 
     async def transfer(self, job: PrefillJob, attempt: str, local_id: str, tier: int,
                        done) -> PrefillDone:
@@ -302,14 +262,9 @@ class PrefillService:
             self.group.insert(self.engine, *self.engine.computed_prompt_blocks(local_id))
         return done(writes, nbytes, transfer_s)
 
-    async def compute(self, local_id: str, job: PrefillJob,
-                      begun: asyncio.Future | None = None) -> tuple[RequestOutput, int]:
-        """The first token, and how many leading prompt blocks kvstore already holds.
-        begun: resolved once the prompt is in the engine (or before a kvstore lookup or a
-        grammar compile makes it wait)."""
+    async def compute(self, local_id: str, job: PrefillJob) -> tuple[RequestOutput, int]:
+        """The first token, and how many leading prompt blocks kvstore already holds."""
         kvc = self.kvc if self.cfg.kvstore else None
-        if kvc is not None or compiles(self.engine, job.constraint):
-            _resolve(begun)
         tier, loader = await layersplit.lookup(
             self.group, kvc, self.engine.prefix_keys(job.prompt_ids, job.cache_salt))
         await precompile(self.engine, job.constraint)   # off the loop, outside the lock
@@ -322,7 +277,6 @@ class PrefillService:
         if load is not None:
             self.rt.spawn(loader.load(self.engine, load))
         self.wake.set()
-        _resolve(begun)
         return await fut, tier
 
     async def finish(self, job: PrefillJob, msg, done: PrefillDone,
@@ -355,11 +309,6 @@ class PrefillService:
                 fut.set_exception(RuntimeError(f"engine step failed: {e!r}"))
             self.engine.abort(rid)
         self.pending.clear()
-
-
-def _resolve(fut: asyncio.Future | None) -> None:
-    if fut is not None and not fut.done():
-        fut.set_result(None)
 
 
 def _queued_ns(msg) -> int | None:

@@ -31,9 +31,8 @@ def test_chaos_aborts_storms_and_a_killed_prefill_never_corrupt_or_leak(tiny_tar
 
 
 def test_chaos_on_the_whole_prompt_path_one_write_per_prompt(tiny_target):
-    """The default KV path (no layer-wise streaming): a first delivery's claim goes out
-    while its prompt computes, and the prompt's KV goes in one write that carries its
-    PrefillDone. The same chaos never corrupts or leaks there either."""
+    """The one-host default KV path (no layer-wise streaming): the prompt's KV goes in one
+    write that carries its PrefillDone. The same chaos never corrupts or leaks there either."""
     res = run(ChaosConfig(model=str(tiny_target), requests=600, storms=2, storm_size=24,
                           **ONE_WRITE))
     _sound_and_chaotic(res)
