@@ -86,6 +86,15 @@ def test_every_name_in_the_walkthrough_exists_where_it_says():
     assert not missing, "docs/design.md names what the code does not have:\n" + "\n".join(missing)
 
 
+PLACEHOLDERS = {"Class.method", "file.Class.method", "file.function"}   # the page's notation
+
+
+def test_every_name_on_the_page_exists():
+    """The map, the invariants table and the prose too, not only the walk-through."""
+    missing = sorted({n for n in names(DOC.read_text()) if not resolves(n)} - PLACEHOLDERS)
+    assert not missing, "docs/design.md names what the code does not have:\n" + "\n".join(missing)
+
+
 def test_no_unqualified_private_names():
     """A bare `_name` says nothing about where it is: the page writes Class._name."""
     bare = re.findall(r"(?<![\w.])(_[a-z]\w*)", walkthrough())
