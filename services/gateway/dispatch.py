@@ -344,20 +344,15 @@ class DecodeClient:
             conn = "" if self.nc.is_connected else " (this gateway is not connected to NATS)"
             raise Lost(f"decode instance {d.instance} stopped sending heartbeats "
                        f"({silent:.1f}s silent) while serving this request{conn}", "instance_dead")
-        if d.progress_at < self._reconnected_at:
-            # this gateway was cut off from NATS: chunks sent meanwhile are gone, and a
-            # request whose last one was among them would wait for progress_timeout_s
+        if d.progress_at < self._reconnected_at:     # chunks sent while this gateway was cut off
             raise Lost(f"this gateway's NATS connection was down while decode instance "
                        f"{d.instance} served the request, and nothing came in the "
-                       f"{self.registry.dead_after_s:g}s after it was back (its chunks were "
-                       "lost)", "gateway_reconnected")
+                       f"{self.registry.dead_after_s:g}s after it was back", "gateway_reconnected")
         now_serving = self.registry.incarnation(d.instance)
         if d.incarnation and now_serving and now_serving != d.incarnation:
             raise Lost(f"decode instance {d.instance} restarted (a new process) while serving "
                        "this request", "instance_restarted")
-        # a long prompt's prefill on a slow host legitimately takes minutes (8,000 tokens
-        # of SmolLM2 on 2 cores: ~60 s); a live instance is trusted that long
-        first = d.next_seq == 0
+        first = d.next_seq == 0        # a prompt's prefill: 8,000 tokens take ~60 s on 2 cores
         limit = self.first_chunk_timeout_s if first else self.progress_timeout_s
         if now - d.progress_at > limit:
             what = "no first token" if first else "nothing"
