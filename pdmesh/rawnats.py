@@ -12,6 +12,8 @@ import time
 import uuid
 from pathlib import Path
 
+from shared.natsconn import connect_kwargs
+
 RAW_REPS = 3        # the raw baseline's bytes/s: median of this many runs (--raw-mb in all)
 
 
@@ -28,7 +30,7 @@ async def responder_main(subject: str, nats_url: str, auth=None) -> int:
     `auth` (a shared.natsconn.NatsAuth) it connects as that user."""
     import nats
 
-    from shared.natsconn import connect_kwargs
+
 
     ack = b'{"applied":true}'
     opts = connect_kwargs(nats_url, auth) if auth is not None else {"servers": nats_url}
@@ -113,7 +115,7 @@ async def raw_baseline(nats_url: str, sizes: list[int], windows: list[int], tota
                        max_s: float) -> list[dict]:
     import nats
 
-    nc = await nats.connect(nats_url, pending_size=64 << 20)
+    nc = await nats.connect(**connect_kwargs(nats_url), pending_size=64 << 20)
     out = []
     try:
         async with Responder(nats_url) as resp:
@@ -150,7 +152,7 @@ async def idle_round_trips(nats_url: str, idle_s: float, n: int = 40) -> dict:
 
     import nats
 
-    nc = await nats.connect(nats_url)
+    nc = await nats.connect(**connect_kwargs(nats_url))
     rtts = []
     try:
         async with Responder(nats_url) as resp:

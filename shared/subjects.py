@@ -225,7 +225,10 @@ def control(identity: str) -> tuple[list[str], list[str]]:
     if identity == DEBUG:   # read-only tools: `nats sub`, `nats micro`, `nats stream info`
         return ([_srv(">"), _js("INFO"), _js("STREAM", "INFO", ANY), _js("STREAM", "NAMES"),
                  _js("STREAM", "LIST"), _js("CONSUMER", "INFO", ANY, ANY),
-                 _js("CONSUMER", "NAMES", ANY), _js("CONSUMER", "LIST", ANY)], [">"])
+                 _js("CONSUMER", "NAMES", ANY), _js("CONSUMER", "LIST", ANY),
+                 # pdmesh bench's raw request/reply floor: a subject no service reads,
+                 # answered into debug's own inbox
+                 pattern("bench_raw", ANY), f"_INBOX.{DEBUG}.>"], [">"])
     if identity == ADMIN:   # no service may change the stream (a `republish` rule, a seal)
         return [_js("INFO"), *_stream_admin()], [f"_INBOX.{identity}.>"]
     stream_info = [_js("STREAM", "INFO", PREFILL_STREAM)]      # jobstream.wait_stream

@@ -80,8 +80,11 @@ def test_grants_are_least_privilege():
     assert admin["subscribe"] == [f"_INBOX.{S.ADMIN}.>"]
     debug = S.permissions(S.DEBUG)
     assert debug["subscribe"] == [">"]
-    assert all(s.startswith(("$SRV.", "$JS.API.")) or "health" in s.split(".")
+    bench = {S.pattern("bench_raw", S.ANY), f"_INBOX.{S.DEBUG}.>"}    # pdmesh bench's floor
+    assert all(s.startswith(("$SRV.", "$JS.API.")) or "health" in s.split(".") or s in bench
                for s in debug["publish"]), debug["publish"]          # read-only
+    assert not any(S.pattern("bench_raw", S.ANY) in S.permissions(u)["subscribe"]
+                   for u in S.IDENTITIES)                             # no service reads it
     assert not any(v in s for s in debug["publish"] for v in ("CREATE", "UPDATE", "DELETE"))
     assert S.pattern("decode_kv", S.ANY) in S.permissions("prefill")["publish"]
     for user in ("gateway", "decode", "kvstore", S.DEBUG):
