@@ -98,24 +98,14 @@ class Reclaimer:
             self.release(rid, outcome)
         self.ask_owners()
 
-    async def run(self, prefill_timeout_s: float, heard: dict[str, float] | None = None,
-                  dead_after_s: float = 3.0) -> None:
-        """Forever: sweep, and prefill here what waited too long for its KV, or whose
-        every claimed writer went silent: heard (prefill instance -> its last heartbeat)
-        says nothing for dead_after_s (its host cut off or dead; JetStream would redeliver
-        the job only after ack_wait, and the request would wait up to prefill_timeout_s).
-        A writer never heard of is not known to be dead."""
+    async def run(self, prefill_timeout_s: float) -> None:
+        """Forever: sweep, and prefill here what waited too long for its KV."""
         while True:
             await asyncio.sleep(SWEEP_S)
             now = time.monotonic()
             self.sweep(now)
             for r in list(self.table.live()):
-                if not r.wants_kv:
-                    continue
-                owners = r.grant.owners.values() if r.grant is not None else ()
-                lost = heard is not None and owners and all(
-                    now - heard.get(i, now) >= dead_after_s for i in owners)
-                if lost or now - r.submitted > prefill_timeout_s:
-                    log.warning("%s: no KV after %.1fs%s; prefilling locally", r.request_id,
-                                now - r.submitted, " (its prefill went silent)" if lost else "")
+                if r.wants_kv and now - r.submitted > prefill_timeout_s:
+                    log.warning("%s: no KV after %.0fs; prefilling locally", r.request_id,
+                                now - r.submitted)
                     self.fallback(r.request_id, AbortReason.PREFILL_TIMEOUT)

@@ -132,8 +132,7 @@ class DecodeService:
         await nc.subscribe(subjects.heartbeat("prefill"), cb=self.on_heartbeat)
         await nc.subscribe(subjects.heartbeat("gateway"), cb=self.on_heartbeat)
         self.rt.spawn(self.engine_loop())
-        self.rt.spawn(self.reclaimer.run(self.cfg.prefill_timeout_s, self.prefill_seen,
-                                         self.cfg.prefill_dead_after_s))
+        self.rt.spawn(self.reclaimer.run(self.cfg.prefill_timeout_s))
         self.rt.spawn(self.abort_orphans())
         log.info("decode %s ready (model %s, %d KV blocks)", self.iid, self.cfg.model,
                  self.engine.port.num_blocks)
