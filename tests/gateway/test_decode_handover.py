@@ -42,6 +42,14 @@ async def _accepted(nats_url):
     return nc, reg, client, d
 
 
+async def _heartbeats(reg: Registry) -> None:
+    """d_0, the same process, heartbeating on (a live instance)."""
+    while True:
+        reg.observe(Heartbeat(service="decode", instance_id="d_0", incarnation="first"),
+                    time.monotonic())
+        await asyncio.sleep(0.05)
+
+
 async def test_a_decode_restarted_under_its_id_loses_its_requests_at_once(nats_url):
     nc, reg, client, d = await _accepted(nats_url)
     reg.observe(Heartbeat(service="decode", instance_id="d_0", incarnation="second"),
@@ -86,13 +94,7 @@ async def test_a_long_prefill_is_waited_for_but_a_stalled_stream_moves_on(nats_u
     nc, reg, client, d = await _accepted(nats_url)
     client.progress_timeout_s, client.first_chunk_timeout_s = 0.3, 30.0
 
-    async def beat():
-        while True:
-            reg.observe(Heartbeat(service="decode", instance_id="d_0", incarnation="first"),
-                        time.monotonic())
-            await asyncio.sleep(0.05)
-
-    hb = asyncio.ensure_future(beat())
+    hb = asyncio.ensure_future(_heartbeats(reg))
     with pytest.raises(asyncio.TimeoutError):          # 1.5 s of prefill: still waiting
         await asyncio.wait_for(client.next_chunk(d, time.monotonic() + 10), 1.5)
     d.queue.put_nowait(TokenChunk(request_id="r1", seq=0, token_ids=[7], finished=False))
@@ -114,13 +116,7 @@ async def test_after_its_own_nats_reconnect_a_silent_request_moves_on(nats_url):
     d2 = await client.submit("r2", [1, 2], SamplingParams(), Constraint())
     reg.dead_after_s, client.tick_s = 0.4, 0.05
 
-    async def beat():
-        while True:
-            reg.observe(Heartbeat(service="decode", instance_id="d_0", incarnation="first"),
-                        time.monotonic())
-            await asyncio.sleep(0.05)
-
-    hb = asyncio.ensure_future(beat())
+    hb = asyncio.ensure_future(_heartbeats(reg))
     for x, rid in ((d, "r1"), (d2, "r2")):
         x.queue.put_nowait(TokenChunk(request_id=rid, seq=0, token_ids=[7], finished=False))
         await client.next_chunk(x, time.monotonic() + 10)
