@@ -49,6 +49,10 @@ def decode_prefill_done(instance: str) -> str:  # prefill -> decode: PrefillDone
     return _subject("decode", "prefill_done", instance)
 
 
+def decode_progress(instance: str) -> str:    # gateway -> decode: ProgressQuery -> ProgressReply
+    return _subject("decode", "progress", instance)
+
+
 def decode_claim(instance: str) -> str:         # prefill -> decode: PrefillClaim -> ClaimReply
     return _subject("decode", "claim", instance)
 
@@ -155,6 +159,7 @@ def pattern(fn: str, *args: str) -> str:
 GRANTS: tuple[Grant, ...] = (
     Grant("decode_submit", (ANY,), pub=("gateway",), sub=("decode",)),
     Grant("decode_abort", (ANY,), pub=("gateway",), sub=("decode",)),
+    Grant("decode_progress", (ANY,), pub=("gateway",), sub=("decode",)),
     Grant("decode_kv", (ANY,), pub=("prefill",), sub=("decode",)),
     Grant("decode_prefill_done", (ANY,), pub=("prefill",), sub=("decode",)),
     Grant("decode_claim", (ANY,), pub=("prefill",), sub=("decode",)),

@@ -31,6 +31,8 @@ from shared.contracts.messages import (
     Path,
     PrefillDone,
     PrefillStatus,
+    ProgressQuery,
+    ProgressReply,
     SubmitAck,
 )
 from shared.contracts.reclaim import ClaimReply, PrefillClaim
@@ -124,6 +126,8 @@ class DecodeService:
         ep = self.rt.endpoint
         await ep("submit", subjects.decode_submit(self.iid), self.on_submit, Codec(DecodeSubmit))
         await ep("abort", subjects.decode_abort(self.iid), self.on_abort, Codec(Abort))
+        await ep("progress", subjects.decode_progress(self.iid), self.on_progress,
+                 Codec(ProgressQuery))
         await ep("prefill_done", subjects.decode_prefill_done(self.iid), self.on_prefill_done,
                  Codec(PrefillDone))
         await ep("claim", subjects.decode_claim(self.iid), self.on_claim, Codec(PrefillClaim))
@@ -325,6 +329,12 @@ class DecodeService:
     async def on_abort(self, ab: Abort) -> None:
         self.reclaimer.abort(ab.request_id, ab.reason or AbortReason.CLIENT)
         return None
+
+    async def on_progress(self, q: ProgressQuery) -> bytes:
+        """How many chunks of a request were sent: the gateway finds lost ones by asking."""
+        r = self.table.get(q.request_id)
+        sent = r.chunks if r is not None and r.live else -1
+        return encode(ProgressReply(request_id=q.request_id, sent=sent))
 
     async def on_heartbeat(self, msg) -> None:
         """Prefill workers (is PD possible?) and gateways (orphans.py)."""

@@ -20,11 +20,10 @@ Life cycle of a request:
               when the instance stops heartbeating, when a chunk's seq is not the next one
               (a chunk was lost: never taken for the end), or when no chunk came for
               progress_timeout_s (first_chunk_timeout_s before the first: a prompt's
-              prefill), or when none came in the dead_after_s after this gateway's own
-              NATS connection came back (chunks sent while it was down are gone). The
-              request moves to another instance as prompt + the tokens received so far
-              (resume_from: decode's grammar replays them; the sampler's stream is keyed
-              by position, so a seeded stream continues as one generation), with
+              prefill), or sooner when the instance says it sent more than arrived
+              (probe.py). It moves to another instance as prompt + the tokens received so
+              far (resume_from: decode's grammar replays them; the sampler's stream is
+              keyed by position, so a seeded stream continues as one generation), with
               max_tokens/min_tokens reduced by what was received; at most max_migrations
               times, then the Lost error reaches the client.
 """
@@ -47,6 +46,7 @@ from shared.contracts.messages import Abort, DecodeSubmit, Heartbeat, Path, Subm
 from shared.contracts.sampling import SamplingParams
 from shared.service import ServiceError, decode_reply
 
+from . import probe
 from .affinity import PrefixAffinity
 from .limits import check_fits
 from .protocol import OpenAIError, overloaded
@@ -59,12 +59,6 @@ CHUNK = Codec(TokenChunk)
 HEARTBEAT = Codec(Heartbeat)
 
 RETRY_ELSEWHERE = {ErrorCode.OVERLOADED, ErrorCode.SHUTTING_DOWN, ErrorCode.TOKENIZER_MISMATCH}
-# a failed request's error code -> HTTP status: the client's fault, unavailable, or a peer fault
-_STATUS = {ErrorCode.INVALID_REQUEST: 400, ErrorCode.OVERLOADED: 503,
-           ErrorCode.SHUTTING_DOWN: 503, ErrorCode.INSTANCE_LOST: 503, ErrorCode.ABORTED: 503,
-           ErrorCode.PREFILL_FAILED: 503, ErrorCode.ANOMALY: 503}
-RETRY_HINT = {ErrorCode.ANOMALY: "; the output so far may be wrong and was not completed: "
-                                 "retry the request (a new attempt is served afresh)"}
 
 
 class ClientGone(Exception):
@@ -100,6 +94,7 @@ class Dispatch:
     next_seq: int = 0          # the seq the next TokenChunk must carry
     progress_at: float = 0.0   # when the last chunk (or the dispatch) arrived
     incarnation: str = ""      # the decode process that accepted it
+    probe: probe.Probe | None = None   # the last question to the instance (probe.py)
 
 
 class Lost(OpenAIError):
@@ -110,18 +105,12 @@ class Lost(OpenAIError):
         self.reason = reason
 
 
-def chunk_error(err: ErrorReply, instance: str) -> OpenAIError:
-    status = _STATUS.get(err.code, 502)
-    return OpenAIError(status, f"decode instance {instance}: {err.message}"
-                               f"{RETRY_HINT.get(err.code, '')}", code=err.code.value)
-
-
 class DecodeClient:
     def __init__(self, nc, registry: Registry, instance_id: str, fingerprint: str,
                  submit_timeout_s: float, request_timeout_s: float, tick_s: float = 0.5,
                  clock: Callable[[], float] = time.monotonic, max_redispatch: int = 2,
                  max_migrations: int = 3, progress_timeout_s: float = 60.0,
-                 first_chunk_timeout_s: float = 600.0):
+                 first_chunk_timeout_s: float = 600.0, probe_after_s: float = 2.0):
         self.nc = nc
         self.registry = registry
         self.instance_id = instance_id
@@ -133,6 +122,7 @@ class DecodeClient:
         self.max_migrations = max_migrations
         self.progress_timeout_s = progress_timeout_s
         self.first_chunk_timeout_s = first_chunk_timeout_s
+        self.probe_after_s = probe_after_s
         self.tick_s = min(tick_s, registry.dead_after_s / 4)
         self.clock = clock
         self.queues: dict[str, asyncio.Queue] = {}
@@ -299,6 +289,9 @@ class DecodeClient:
             except asyncio.TimeoutError:
                 pass
             self._check_progress(d)
+            if self.nc.is_connected and probe.due(d.probe, d.progress_at, self.clock(),
+                                                  self.probe_after_s):
+                d.probe = await probe.ask(self.nc, d.instance, d.request_id, self.clock, 1.0)
 
     def _in_order(self, d: Dispatch, c: TokenChunk) -> TokenChunk:
         """A chunk whose seq is not the next one means one was lost: never a silent end. A
@@ -344,10 +337,8 @@ class DecodeClient:
             conn = "" if self.nc.is_connected else " (this gateway is not connected to NATS)"
             raise Lost(f"decode instance {d.instance} stopped sending heartbeats "
                        f"({silent:.1f}s silent) while serving this request{conn}", "instance_dead")
-        if d.progress_at < self._reconnected_at:     # chunks sent while this gateway was cut off
-            raise Lost(f"this gateway's NATS connection was down while decode instance "
-                       f"{d.instance} served the request, and nothing came in the "
-                       f"{self.registry.dead_after_s:g}s after it was back", "gateway_reconnected")
+        if why := probe.verdict(d.probe, d.progress_at, d.next_seq):
+            raise Lost(f"decode instance {d.instance} {why}", "chunks_lost")
         now_serving = self.registry.incarnation(d.instance)
         if d.incarnation and now_serving and now_serving != d.incarnation:
             raise Lost(f"decode instance {d.instance} restarted (a new process) while serving "

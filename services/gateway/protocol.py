@@ -11,6 +11,8 @@ from typing import Any
 
 import msgspec
 
+from shared.contracts.common import ErrorCode, ErrorReply
+
 # ---- request bodies ----------------------------------------------------------------------
 
 
@@ -165,6 +167,21 @@ def overloaded(message: str, retry_after_s: int = 1) -> OpenAIError:
     return OpenAIError(429, f"overloaded: {message}; retry after {retry_after_s}s",
                        code="rate_limit_exceeded", type="requests",
                        headers={"Retry-After": str(retry_after_s)})
+
+
+# a failed request's error code -> HTTP status: the client's fault, unavailable, or a peer fault
+_STATUS = {ErrorCode.INVALID_REQUEST: 400, ErrorCode.OVERLOADED: 503,
+           ErrorCode.SHUTTING_DOWN: 503, ErrorCode.INSTANCE_LOST: 503, ErrorCode.ABORTED: 503,
+           ErrorCode.PREFILL_FAILED: 503, ErrorCode.ANOMALY: 503}
+RETRY_HINT = {ErrorCode.ANOMALY: "; the output so far may be wrong and was not completed: "
+                                 "retry the request (a new attempt is served afresh)"}
+
+
+def chunk_error(err: ErrorReply, instance: str) -> OpenAIError:
+    """The error a decode instance ended a request with, as the client sees it."""
+    status = _STATUS.get(err.code, 502)
+    return OpenAIError(status, f"decode instance {instance}: {err.message}"
+                               f"{RETRY_HINT.get(err.code, '')}", code=err.code.value)
 
 
 # ---- responses ---------------------------------------------------------------------------

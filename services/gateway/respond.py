@@ -29,10 +29,10 @@ from shared.toolcalls import ToolCallStreamParser, parse_tool_calls
 
 from . import protocol as P
 from .aborting import AbortOnExit, fail_stream
-from .dispatch import DecodeClient, Dispatch, Lost, chunk_error
+from .dispatch import DecodeClient, Dispatch, Lost
 from .metrics import Metrics
 from .migrate import migrate
-from .protocol import OpenAIError
+from .protocol import OpenAIError, chunk_error
 from .slowclients import sse_response
 from .validate import Prepared
 

@@ -163,6 +163,20 @@ class Abort(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     reason: str = AbortReason.CLIENT.value
 
 
+class ProgressQuery(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """gateway -> decode: how many TokenChunks of this request have you sent? Asked by a
+    request that has heard nothing for a while (services/gateway/probe.py)."""
+    v: int = VERSION
+    request_id: str
+
+
+class ProgressReply(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    v: int = VERSION
+    request_id: str
+    sent: int                          # TokenChunks sent (the next one's seq); -1: this
+    #                                    instance is not serving the request (ended or unknown)
+
+
 class Heartbeat(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     v: int = VERSION
     service: str

@@ -233,3 +233,28 @@ async def test_a_granted_attempt_cannot_write_outside_its_grant(tiny_target, tin
         assert await mesh.tokens("b") == reference(b)
     finally:
         await mesh.close()
+
+
+async def test_a_gateway_asking_for_progress_hears_the_chunks_sent(tiny_target, tiny_prompts,
+                                                                    reference):
+    """ProgressQuery (the gateway's probe.py): a request waiting for its KV has sent no chunk
+    yet; one that ended, or that this instance never had, is not served here (-1)."""
+    from shared.contracts.common import Codec
+    from shared.contracts.messages import ProgressQuery, ProgressReply
+
+    def sent(reply: bytes) -> int:
+        return Codec(ProgressReply).decode(reply).sent
+
+    mesh = LocalMesh(tiny_target)
+    await mesh.start()
+    try:
+        p = prompt(tiny_prompts, 1)
+        await mesh.submit("a", p, max_tokens=MAX_TOKENS, ignore_eos=True)
+        assert sent(await mesh.decode.on_progress(ProgressQuery(request_id="a"))) == 0
+        task, _ = mesh.run_job()
+        await task
+        assert await mesh.tokens("a") == reference(p)
+        assert sent(await mesh.decode.on_progress(ProgressQuery(request_id="a"))) == -1
+        assert sent(await mesh.decode.on_progress(ProgressQuery(request_id="zz"))) == -1
+    finally:
+        await mesh.close()

@@ -116,7 +116,7 @@ def test_a_partition_of_a_decode_host_changes_no_answer(mesh, refs, tiny_prompts
     load, back_s, migrated = loop.run_until_complete(scenario())
     print(f"partition: {migrated:.0f} streams migrated; both decodes serve {back_s:.1f} s "
           "after the streams ended")
-    assert load.failed() == [], load.failed()[:3]
+    assert load.failed() == [], f"{load.failed()[:3]}\n{m.tail(80)}"
     assert load.wrong(refs) == [], f"outputs differ from the uninterrupted ones: {load.wrong(refs)}"
     assert migrated > 0, "the cut decode's streams were not migrated: the test proved nothing"
 
@@ -168,5 +168,5 @@ def test_the_gateways_nats_node_cut_off_costs_no_request(mesh, refs, tiny_prompt
         return load
 
     load = loop.run_until_complete(scenario())
-    assert load.failed() == [], (node, load.failed()[:3])
+    assert load.failed() == [], f"{node}: {load.failed()[:3]}\n{m.tail(80)}"
     assert load.wrong(refs) == [], f"outputs differ from the uninterrupted ones: {load.wrong(refs)}"

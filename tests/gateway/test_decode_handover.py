@@ -17,7 +17,15 @@ from services.gateway.registry import Registry
 from shared import subjects
 from shared.contracts.common import Codec, ErrorCode, ErrorReply, encode
 from shared.contracts.constraint import Constraint
-from shared.contracts.messages import DecodeSubmit, Heartbeat, Path, SubmitAck, TokenChunk
+from shared.contracts.messages import (
+    DecodeSubmit,
+    Heartbeat,
+    Path,
+    ProgressQuery,
+    ProgressReply,
+    SubmitAck,
+    TokenChunk,
+)
 from shared.contracts.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(30)
@@ -106,29 +114,61 @@ async def test_a_long_prefill_is_waited_for_but_a_stalled_stream_moves_on(nats_u
     await nc.close()
 
 
-async def test_after_its_own_nats_reconnect_a_silent_request_moves_on(nats_url):
-    """This gateway's NATS connection was down for a while (a partition of its host):
-    chunks sent meanwhile are gone. A request whose last chunk was among them would wait
-    progress_timeout_s (60 s, the compose cluster measured it); it moves on once the
-    heartbeats are back (dead_after_s) and nothing came for it. One that hears a chunk
-    after the reconnect is fine."""
-    nc, reg, client, d = await _accepted(nats_url)
-    d2 = await client.submit("r2", [1, 2], SamplingParams(), Constraint())
-    reg.dead_after_s, client.tick_s = 0.4, 0.05
+async def _answers(nc, sent: int, then=lambda: None):
+    """d_0 answers every ProgressQuery with `sent`, then runs `then`."""
+    async def progress(msg):
+        q = Codec(ProgressQuery).decode(msg.data)
+        await msg.respond(encode(ProgressReply(request_id=q.request_id, sent=sent)))
+        then()
 
+    await nc.subscribe(subjects.decode_progress("d_0"), cb=progress)
+
+
+@pytest.mark.parametrize("sent", [3, -1])
+async def test_a_silent_request_asks_and_moves_on_when_its_chunks_were_lost(nats_url, sent):
+    """Chunks sent into a cut NATS node or a cut-off gateway are gone; the instance still
+    heartbeats. A request that hears nothing asks it: it sent 3 chunks where 1 arrived, or
+    it no longer serves the request (it ended it). Lost within a second or so, not after
+    progress_timeout_s (60 s) or, before the first token, first_chunk_timeout_s (600 s)."""
+    nc, reg, client, d = await _accepted(nats_url)
+    client.probe_after_s, client.tick_s = 0.2, 0.05
+    await _answers(nc, sent)
     hb = asyncio.ensure_future(_heartbeats(reg))
-    for x, rid in ((d, "r1"), (d2, "r2")):
-        x.queue.put_nowait(TokenChunk(request_id=rid, seq=0, token_ids=[7], finished=False))
-        await client.next_chunk(x, time.monotonic() + 10)
-    nc.stats["reconnects"] += 1                      # the connection came back just now
-    client.blind()
-    d2.queue.put_nowait(TokenChunk(request_id="r2", seq=1, token_ids=[8], finished=False))
-    assert (await client.next_chunk(d2, time.monotonic() + 10)).token_ids == [8]
+    d.queue.put_nowait(TokenChunk(request_id="r1", seq=0, token_ids=[7], finished=False))
+    await client.next_chunk(d, time.monotonic() + 10)
     t0 = time.monotonic()
     with pytest.raises(Lost) as e:
         await client.next_chunk(d, time.monotonic() + 10)
-    assert e.value.reason == "gateway_reconnected" and time.monotonic() - t0 < 2.0
-    with pytest.raises(asyncio.TimeoutError):        # r2 heard from decode: still waiting
-        await asyncio.wait_for(client.next_chunk(d2, time.monotonic() + 10), 1.0)
+    assert e.value.reason == "chunks_lost" and time.monotonic() - t0 < 5.0
+    hb.cancel()
+    await nc.close()
+
+
+async def test_a_request_still_prefilling_asks_and_keeps_waiting(nats_url):
+    """The instance answers with what arrived (no chunk sent yet: a long prompt's prefill):
+    the request waits on."""
+    nc, reg, client, d = await _accepted(nats_url)
+    client.probe_after_s, client.tick_s = 0.2, 0.05
+    await _answers(nc, 0)
+    hb = asyncio.ensure_future(_heartbeats(reg))
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(client.next_chunk(d, time.monotonic() + 10), 1.5)
+    assert d.probe is not None and d.probe.sent == 0      # it did ask, and was answered
+    hb.cancel()
+    await nc.close()
+
+
+async def test_an_answer_that_overtook_its_chunk_moves_nothing(nats_url):
+    """The answer (2 sent) arrives before chunk 1, sent just before it on another
+    subscription: that chunk still counts, and the request goes on."""
+    nc, reg, client, d = await _accepted(nats_url)
+    client.probe_after_s, client.tick_s = 0.2, 0.3
+    late = TokenChunk(request_id="r1", seq=1, token_ids=[8], finished=False)
+    await _answers(nc, 2, lambda: asyncio.get_running_loop().call_later(
+        0.05, d.queue.put_nowait, late))
+    hb = asyncio.ensure_future(_heartbeats(reg))
+    d.queue.put_nowait(TokenChunk(request_id="r1", seq=0, token_ids=[7], finished=False))
+    await client.next_chunk(d, time.monotonic() + 10)
+    assert (await client.next_chunk(d, time.monotonic() + 10)).token_ids == [8]
     hb.cancel()
     await nc.close()
