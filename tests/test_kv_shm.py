@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+from shared import subjects
 from shared.contracts.common import ErrorCode
 from shared.kv import shm, wire
 from shared.kv.nats_transport import SHM_HEADER, NatsKvTransport
@@ -126,6 +127,9 @@ async def _pair(nats_url, **kw):  # noqa: F811
     await rx.listen("d0", dec.on_write)
     spy = _Spy()
     await rt_pre.nc.subscribe("pdmesh.decode.kv.d0", cb=spy.cb)
+    # one round trip prefill -> decode first: three fresh-clone full runs had the first
+    # write reach the spy but not decode (decode's connection received nothing in 30 s)
+    await rt_pre.nc.request(subjects.health("decode", "d0"), b"", timeout=10)
     return rt_dec, rt_pre, rx, tx, dec, spy
 
 
