@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-from pdmesh import control, serve_args
+from pdmesh.local import control, serve_args
 from shared import subjects
 
 DEFAULT_NATS_URL = os.environ.get("PDMESH_NATS_URL")   # None: the running pdmesh up's
@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ---- up ------------------------------------------------------------------------------------
 def cmd_up(args) -> int:
-    from pdmesh import up
+    from pdmesh.local import up
 
     return up.run(args)
 
@@ -98,7 +98,7 @@ def cmd_status(args) -> int:
 def where(nats_url: str | None):
     """(url, NatsAuth) to reach the mesh: --nats-url / PDMESH_NATS_URL with PDMESH_NATS_*,
     else the running pdmesh up's run record, as its read-only debug user."""
-    from pdmesh import runrecord
+    from pdmesh.local import runrecord
     from shared.natsconn import NatsAuth
 
     if nats_url:
@@ -254,7 +254,7 @@ def cmd_generate(args) -> int:
 
 # ---- config --------------------------------------------------------------------------------
 def cmd_config(args) -> int:
-    from pdmesh.overrides import describe
+    from pdmesh.local.overrides import describe
 
     for i, service in enumerate([args.service] if args.service else serve_args.SERVICES):
         print(("\n" if i else "") + "\n".join(describe(service)))
@@ -263,7 +263,7 @@ def cmd_config(args) -> int:
 
 # ---- bench ---------------------------------------------------------------------------------
 def run_bench(argv: list[str]) -> int:
-    from pdmesh import bench
+    from pdmesh.bench import run as bench
 
     return bench.main(argv) or 0
 

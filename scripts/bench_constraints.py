@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from pdmesh.workloads import CANON, SCHEMA, TOOLS
+from pdmesh.bench.workloads import CANON, SCHEMA, TOOLS
 from shared.contracts.constraint import Constraint, ConstraintKind
 from shared.contracts.sampling import SamplingParams
 from shared.engine.config import EngineConfig

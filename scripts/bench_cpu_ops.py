@@ -138,7 +138,7 @@ def main() -> int:
            "runs": {name: [{c: run[c]["tokens_per_s"] for c in run} for run in rs]
                     for name, rs in runs.items()},
            "date": time.strftime("%Y-%m-%d %H:%M")}
-    from pdmesh.bench_report import save
+    from pdmesh.bench.report import save
 
     path = save(res, args.out, "cpu_ops_" + res["model"], plot)
     log(f"speedup vs torch: {res['speedup_vs_torch']}; agreement: {same}; {path}.json")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from pdmesh.workloads import CODE_PROMPTS
+from pdmesh.bench.workloads import CODE_PROMPTS
 from shared.contracts.sampling import SamplingParams
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine

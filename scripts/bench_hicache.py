@@ -23,8 +23,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from pdmesh.agentload import run_turns
-from pdmesh.cluster import Cluster
+from pdmesh.bench.agentload import run_turns
+from pdmesh.local.cluster import Cluster
 from shared import micro
 from shared.engine.tokenizer import Tokenizer
 

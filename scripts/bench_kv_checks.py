@@ -33,7 +33,7 @@ import msgspec
 import nats
 import numpy as np
 
-from pdmesh.rawnats import log
+from pdmesh.bench.rawnats import log
 from shared.contracts.kv import KvWrite, KvWriteAck
 from shared.kv import wire
 from shared.kv.transport import receive
@@ -105,7 +105,7 @@ async def kv_round(variant: str, tx, subject: str, size: int, total: int) -> flo
 async def responder(url: str, creds: str) -> None:
     """Decode's side, in its own process (as in the mesh): both variants' listeners, as
     the decode user; exits when stdin closes."""
-    from pdmesh.creds import Secrets
+    from pdmesh.deploy.creds import Secrets
 
     sec = Secrets.create(Path(creds), keep=True)
     rx = await nats.connect(url, **sec.auth("decode").options(), pending_size=64 << 20)
@@ -135,8 +135,8 @@ async def responder(url: str, creds: str) -> None:
 
 
 async def kv_part(rounds: int, total_mb: int) -> dict:
-    from pdmesh.cluster import free_port, nats_server_binary
-    from pdmesh.creds import Secrets
+    from pdmesh.deploy.creds import Secrets
+    from pdmesh.local.cluster import free_port, nats_server_binary
 
     tmp = Path(tempfile.mkdtemp(prefix="kvchecks-"))
     sec = Secrets.create(tmp / "creds")
@@ -174,8 +174,8 @@ async def kv_part(rounds: int, total_mb: int) -> dict:
 TTFT_CHILD = r"""
 import asyncio, json, sys
 import aiohttp
-from pdmesh.cluster import Cluster
-from pdmesh.loadgen import completion_body, run_level
+from pdmesh.local.cluster import Cluster
+from pdmesh.bench.loadgen import completion_body, run_level
 model, n1, n16 = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 PROMPT = "def fibonacci(n):\n    '''Return the n-th Fibonacci number.'''\n" * 40
 async def go(c):

@@ -4,7 +4,7 @@ the default (kv_stream auto, which picks one per job from the link it measured).
 
 `pdmesh up` (SmolLM2, its defaults) on this host: the gateway, nats, prefill-0 (the
 default: auto), prefill_whole (--kv-stream off) and prefill_stream (--kv-stream on).
-decode_b runs on a network-lab host (pdmesh/netlab.py) behind a veth link limited by a
+decode_b runs on a network-lab host (pdmesh/chaos/netlab.py) behind a veth link limited by a
 token bucket (tc tbf) to each rate; decode-0 is stopped (SIGSTOP) so that every request
 goes to decode_b, and only the prefill being measured runs. For each link and prompt
 length, requests alternate colocated (decode_b computes the prompt itself) / PD auto / PD
@@ -34,9 +34,9 @@ from pathlib import Path
 
 import aiohttp
 
-from pdmesh import netlab
-from pdmesh.launched import UpMesh
-from pdmesh.loadgen import completion_body, stream_one
+from pdmesh.bench.loadgen import completion_body, stream_one
+from pdmesh.chaos import netlab
+from pdmesh.local.launched import UpMesh
 from shared import micro
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -27,8 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-from pdmesh.agentload import run_turns
-from pdmesh.cluster import Cluster
+from pdmesh.bench.agentload import run_turns
+from pdmesh.local.cluster import Cluster
 from shared import micro
 from shared.engine.loader import load_config
 from shared.engine.tokenizer import Tokenizer

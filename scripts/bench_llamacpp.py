@@ -33,8 +33,8 @@ import sys
 import time
 from pathlib import Path
 
-from pdmesh.bench_report import save
-from pdmesh.loadgen import percentile
+from pdmesh.bench.loadgen import percentile
+from pdmesh.bench.report import save
 
 ROOT = Path(__file__).resolve().parents[1]
 

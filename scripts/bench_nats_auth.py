@@ -1,7 +1,7 @@
 """The cost of the NATS boundary (issue 12): three meshes side by side in one run,
 
   off        no NATS users (anyone on the bus may do anything)
-  auth       each service its own user, granted only its subjects (pdmesh.creds)
+  auth       each service its own user, granted only its subjects (pdmesh.deploy.creds)
   auth+tls   the same over TLS (a CA made for the run; every client verifies the server)
 
 and every measurement goes to each of them back to back, round after round, so machine
@@ -32,9 +32,9 @@ from pathlib import Path
 import aiohttp
 import nats
 
-from pdmesh.cluster import Cluster
-from pdmesh.loadgen import completion_body, run_level
-from pdmesh.rawnats import log, raw_run, responder_main
+from pdmesh.bench.loadgen import completion_body, run_level
+from pdmesh.bench.rawnats import log, raw_run, responder_main
+from pdmesh.local.cluster import Cluster
 from shared import micro, subjects
 from shared.natsconn import NatsAuth
 

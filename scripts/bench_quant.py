@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pdmesh.bench_report import save
-from pdmesh.workloads import CODE_PROMPTS
+from pdmesh.bench.report import save
+from pdmesh.bench.workloads import CODE_PROMPTS
 from shared.contracts.sampling import SamplingParams
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine

@@ -1,4 +1,4 @@
-"""Chaos run at scale (invariant 3; see pdmesh/chaos.py for what it does).
+"""Chaos run at scale (invariant 3; see pdmesh/chaos/run.py for what it does).
 
     python scripts/chaos.py --completed 30000                 both guards, until 30,000
                                                               requests completed (< 1 per
@@ -23,9 +23,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from pdmesh.chaos import GUARDS, HAZARD, ChaosConfig, headline, run, with_guards
-from pdmesh.chaos_plot import plot_compare, plot_run
-from pdmesh.chaos_report import compare, sound
+from pdmesh.chaos.plot import plot_compare, plot_run
+from pdmesh.chaos.report import compare, sound
+from pdmesh.chaos.run import GUARDS, HAZARD, ChaosConfig, headline, run, with_guards
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,7 +57,7 @@ def args() -> argparse.Namespace:
                          "PrefillDone)")
     ap.add_argument("--lease", type=float, default=None, metavar="S")
     ap.add_argument("--hazard", action="store_true",
-                    help="start from the negative controls' settings (pdmesh.chaos.HAZARD)")
+                    help="start from the negative controls' settings (pdmesh.chaos.run.HAZARD)")
     ap.add_argument("--guards", choices=[*GUARDS, "all"], default=None)
     ap.add_argument("--no-reclaim-ack", action="store_true", help="TEST: disable reclaim-ack")
     ap.add_argument("--no-epoch-fence", action="store_true", help="TEST: disable epoch fencing")

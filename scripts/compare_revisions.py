@@ -6,8 +6,8 @@ ratios (JSON + PNG). Used to show that a change that should not change speed did
 Each revision runs from its own temporary git worktree (committed code only: edits in
 progress in this checkout never leak into a measurement) with this checkout's venv. Benchmarks: the engine benchmark on the tiny
 model (float32, one thread) and the mesh benchmark (`pdmesh bench --spawn`, one prefill,
-one decode, one thread each), and `ttft` (PD vs colocated TTFT, pdmesh.bench_ttft's default
-mesh, short prompts), and `kv` (pdmesh.bench_kv: KV transfer MB/s and its ratio to raw nats-py).
+one decode, one thread each), and `ttft` (PD vs colocated TTFT, pdmesh.bench.ttft's default
+mesh, short prompts), and `kv` (pdmesh.bench.kv: KV transfer MB/s and its ratio to raw nats-py).
 Rounds alternate base/head so drift hits both alike; each
 metric is the median over rounds.
 """
@@ -30,9 +30,18 @@ BENCHES = {
                "--threads", "1", "--prompts", "8", "--max-tokens", "32"],
     "mesh": ["-m", "pdmesh.cli", "bench", "--spawn", "--model", "models/tiny-target",
              "--threads", "1"],
-    "ttft": ["-m", "pdmesh.bench_ttft", "--configs", "default", "--short", "40", "--long", "1"],
-    "kv": ["-m", "pdmesh.bench_kv", "--reps", "5"],
+    "ttft": ["-m", "pdmesh.bench.ttft", "--configs", "default", "--short", "40", "--long", "1"],
+    "kv": ["-m", "pdmesh.bench.kv", "--reps", "5"],
 }
+# a revision from before pdmesh/ was grouped into local/, deploy/, bench/, chaos/
+FLAT = {"pdmesh.bench.ttft": "pdmesh.bench_ttft", "pdmesh.bench.kv": "pdmesh.bench_kv"}
+
+
+def command(rev_dir: Path, name: str) -> list[str]:
+    argv = BENCHES[name]
+    if not (rev_dir / "pdmesh" / "bench").is_dir():
+        argv = [FLAT.get(a, a) for a in argv]
+    return argv
 
 
 def log(msg: str) -> None:
@@ -75,8 +84,8 @@ def run(rev_dir: Path, name: str, tmp: Path, tries: int = 3) -> dict[str, float]
     nats-server can lose its responder) is rerun, up to `tries` in all, and recorded."""
     for attempt in range(1, tries + 1):
         out = tmp / f"{rev_dir.name}-{name}-{time.monotonic_ns()}"
-        cmd = [str(PY), *BENCHES[name], "--out", str(out)]
-        log(f"{rev_dir}: {' '.join(BENCHES[name])}")
+        cmd = [str(PY), *command(rev_dir, name), "--out", str(out)]
+        log(f"{rev_dir}: {' '.join(command(rev_dir, name))}")
         p = subprocess.run(cmd, cwd=rev_dir, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                            text=True, env={"PYTHONPATH": str(rev_dir), "PATH": "/usr/bin:/bin"})
         if p.returncode == 0:

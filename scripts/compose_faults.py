@@ -34,10 +34,10 @@ from pathlib import Path
 
 import aiohttp
 
-from pdmesh.creds import api_key
-from pdmesh.faultload import Load
-from pdmesh.launch import free_port
-from pdmesh.workloads import CODE_PROMPTS
+from pdmesh.bench.workloads import CODE_PROMPTS
+from pdmesh.chaos.faultload import Load
+from pdmesh.deploy.creds import api_key
+from pdmesh.local.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,7 +92,7 @@ class Cluster:
                   str(self.override), *args, timeout=timeout, env=self.env)
 
     def up(self) -> None:
-        sh(sys.executable, "-m", "pdmesh.creds", str(self.secrets))
+        sh(sys.executable, "-m", "pdmesh.deploy.creds", str(self.secrets))
         self.compose("up", "-d", "--scale", "decode=2", "--scale", "prefill=2")
 
     def down(self) -> None:

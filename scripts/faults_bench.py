@@ -28,9 +28,9 @@ from pathlib import Path
 
 import aiohttp
 
-from pdmesh.faultload import Load, metric, pct, references
-from pdmesh.launched import UpMesh
-from pdmesh.workloads import CODE_PROMPTS
+from pdmesh.bench.workloads import CODE_PROMPTS
+from pdmesh.chaos.faultload import Load, metric, pct, references
+from pdmesh.local.launched import UpMesh
 from shared import micro
 from shared.faults import ALLOW_ENV
 

@@ -1,7 +1,7 @@
 """Faults across a network (issue 30), in Dynamo's fault-test format: `pdmesh up` on this
 host (3 clustered nats-servers listening for other hosts, kvstore, prefill-0, decode-0,
 the gateway), plus decode_b and prefill_b each on its own host of a network lab
-(pdmesh/netlab.py: a namespace with its own hostname and /dev/shm, over a veth pair),
+(pdmesh/chaos/netlab.py: a namespace with its own hostname and /dev/shm, over a veth pair),
 started as an operator adds them (their service's command line and NATS user).
 
     sudo python scripts/netfaults_bench.py [--scenarios kill_decode_b,cut_decode_b_5s,...]
@@ -30,10 +30,10 @@ import sys
 import time
 from pathlib import Path
 
-from pdmesh import netlab
-from pdmesh.faultload import Load, metric, references
-from pdmesh.launched import UpMesh
-from pdmesh.workloads import CODE_PROMPTS
+from pdmesh.bench.workloads import CODE_PROMPTS
+from pdmesh.chaos import netlab
+from pdmesh.chaos.faultload import Load, metric, references
+from pdmesh.local.launched import UpMesh
 from shared import micro
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,7 +6,7 @@ dies (stops acking) is redelivered to another worker instead of being lost.
 - Bounded: at most MAX_MSGS jobs, MAX_BYTES bytes, MAX_MSG_SIZE per job; a full queue
   refuses new jobs (discard new) instead of silently dropping queued ones.
 - Provisioned, not made by the services: the stream belongs to the admin identity
-  (shared/jobstream.py, kept by pdmesh/streamkeeper.py), which re-creates it within
+  (shared/jobstream.py, kept by pdmesh/deploy/streamkeeper.py), which re-creates it within
   seconds when its store is lost; `publish_job` keeps trying meanwhile, deduplicated by a
   message id so a retry after a lost ack never queues a job twice; `JobPuller.fetch`
   re-creates a lost consumer under a prefill worker (prefill owns its durable consumer).

@@ -4,7 +4,7 @@ No service may create, change or delete the stream (shared/subjects.py grants th
 STREAM.INFO): a service that could had every other service at its mercy (a `republish`
 rule re-published its own messages onto subjects it may not publish to; `sealed: true`
 turned prefill/decode disaggregation off for good). The stream is provisioned by the one
-identity allowed to, `subjects.ADMIN`, which `pdmesh up` holds (pdmesh/streamkeeper.py,
+identity allowed to, `subjects.ADMIN`, which `pdmesh up` holds (pdmesh/deploy/streamkeeper.py,
 on its own loop) and compose runs as the `jobstream` container: it creates the stream,
 and every few seconds compares the stream's **whole** configuration with `stream_config`
 and puts back anything that differs (a sealed stream, or a change the server will not

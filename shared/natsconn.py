@@ -4,7 +4,7 @@
   the client fails over between them (a clustered NATS, `pdmesh up --nats-cluster 3`).
 - `NatsAuth` is nested in every service's settings (flags --nats-user, --nats-password,
   --nats-password-file, --nats-tls-ca; env PDMESH_NATS_USER, ...). `pdmesh up` and compose
-  give each service its own user (pdmesh/creds.py); the server grants that user exactly
+  give each service its own user (pdmesh/deploy/creds.py); the server grants that user exactly
   the subjects shared/subjects.py says the service uses.
 - A service's reply inbox is `_INBOX.<user>.>` when it has a user, so its grant can name
   its own replies and nobody else's.

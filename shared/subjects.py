@@ -124,7 +124,7 @@ ALL = f"{PREFIX}.>"
 
 # ---- who publishes and who subscribes what: the NATS permission table ------------------------
 # Every service connects as its own NATS user (IDENTITIES); nats-server grants each exactly
-# what GRANTS and CONTROL say, publish and subscribe separately (pdmesh/creds.py renders it;
+# what GRANTS and CONTROL say, publish and subscribe separately (pdmesh/deploy/creds.py renders it;
 # tests/test_subject_grants.py checks that every subject the code builds is here). Replies
 # go only to a caller's own inbox, _INBOX.<caller>.>, for the callers REPLIES_TO names (no
 # allow_responses: with it a requester chose where a service published its reply, and

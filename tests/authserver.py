@@ -1,10 +1,10 @@
-"""A real nats-server with pdmesh's generated users and permissions (pdmesh/creds.py)."""
+"""A real nats-server with pdmesh's generated users and permissions (pdmesh/deploy/creds.py)."""
 from __future__ import annotations
 
 import subprocess
 
-from pdmesh.cluster import nats_server_binary
-from pdmesh.creds import Secrets
+from pdmesh.deploy.creds import Secrets
+from pdmesh.local.cluster import nats_server_binary
 
 
 class AuthServer:
@@ -12,7 +12,7 @@ class AuthServer:
     connection records the permission violations the server reports to it."""
 
     def __init__(self, tmp_path):
-        from pdmesh.cluster import free_port
+        from pdmesh.local.cluster import free_port
 
         self.secrets = Secrets.create(tmp_path / "creds")
         self.port = free_port()

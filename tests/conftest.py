@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pdmesh.workloads import CODE_PROMPTS  # noqa: F401 - the tests' prompts (from here)
+from pdmesh.bench.workloads import CODE_PROMPTS  # noqa: F401 - the tests' prompts (from here)
 
 # the tests switch guards off and inject faults on purpose (shared/faults.py); services
 # started from here (in process or as children) inherit this

@@ -9,8 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdmesh import cli, up
-from pdmesh.overrides import parse_sets
+from pdmesh import cli
+from pdmesh.local import up
+from pdmesh.local.overrides import parse_sets
 from shared.micro import Instance
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pdmesh.cluster import Cluster, ClusterError
+from pdmesh.local.cluster import Cluster, ClusterError
 from shared import micro
 from shared.service import new_instance_id
 
@@ -41,7 +41,7 @@ def test_kvstore_cluster_starts_answers_survives_nats_restart_and_stops_clean():
         assert set(c.procs) == {"nats", "kvstore-0"}
         r = _cli("status", "--nats-url", c.nats_url)
         assert r.returncode == 0 and iid in r.stdout, r.stdout + r.stderr
-        hc = [sys.executable, "-m", "pdmesh.healthcheck", "kvstore", "--nats-url", c.nats_url]
+        hc = [sys.executable, "-m", "pdmesh.deploy.healthcheck", "kvstore", "--nats-url", c.nats_url]
         env = {k: v for k, v in os.environ.items() if k != "PDMESH_INSTANCE_ID"}
         assert subprocess.run(hc, env=env, timeout=30).returncode == 0      # found by hostname
         assert subprocess.run(hc + ["--instance-id", iid], timeout=30).returncode == 0

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdmesh.cluster import CONFIG_CLASSES, config_class, nats_server_binary
-from pdmesh.creds import write_compose
-from pdmesh.natsconf import COMPOSE_NODES, compose_conf
+from pdmesh.deploy.creds import write_compose
+from pdmesh.deploy.natsconf import COMPOSE_NODES, compose_conf
+from pdmesh.local.cluster import CONFIG_CLASSES, config_class, nats_server_binary
 from shared.settings import env_name, field_names, flat_values, load
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,8 +41,8 @@ def test_the_job_stream_is_provisioned_by_the_admin_alone(compose):
     """The keeper container connects as the admin user (no service may write the stream's
     config: tests/test_job_stream.py) and every service that uses the stream waits for it."""
     keeper = compose["services"]["jobstream"]
-    assert keeper["command"] == ["python", "-m", "pdmesh.streamkeeper"]
-    assert importlib.util.find_spec("pdmesh.streamkeeper") is not None
+    assert keeper["command"] == ["python", "-m", "pdmesh.deploy.streamkeeper"]
+    assert importlib.util.find_spec("pdmesh.deploy.streamkeeper") is not None
     assert keeper["environment"]["PDMESH_NATS_USER"] == "admin"
     assert keeper["secrets"] == [{"source": "admin_nats_password", "target": "nats_password"}]
     assert compose["secrets"]["admin_nats_password"]["file"].endswith("/admin.password")
@@ -85,7 +85,7 @@ def test_service_env_names_config_fields(compose, service, monkeypatch, tmp_path
 @pytest.mark.parametrize("service", SERVICES)
 def test_service_health_check_asks_that_service(compose, service):
     test = compose["services"][service]["healthcheck"]["test"]
-    assert test == ["CMD", "python", "-m", "pdmesh.healthcheck", service]
+    assert test == ["CMD", "python", "-m", "pdmesh.deploy.healthcheck", service]
 
 
 def test_scaling_needs_no_fixed_names_or_ports(compose):
@@ -118,7 +118,7 @@ def test_nats_is_a_three_node_jetstream_cluster_with_8mb_payload(compose, tmp_pa
     text = conf.read_text()
     assert re.search(r"^max_payload:\s*8MB", text, re.M)
     assert re.search(r"^jetstream\s*\{", text, re.M)
-    write_compose(tmp_path)          # what `python -m pdmesh.creds deploy/secrets` writes
+    write_compose(tmp_path)          # what `python -m pdmesh.deploy.creds deploy/secrets` writes
     shutil.copy(conf, tmp_path / "nats.conf")
     routes = (tmp_path / "routes.conf").read_text()
     for node in COMPOSE_NODES:

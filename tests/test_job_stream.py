@@ -5,7 +5,7 @@ Attacked as a compromised service would: with prefill's credentials, a `republis
 made the server re-publish prefill's messages onto subjects prefill may not publish to
 (attacker text in another tenant's response, forged decode heartbeats); with decode's,
 renaming the stream's subject stalled every PD request, and `sealed: true` turned PD off
-for good. Real nats-server, the generated users and permissions (pdmesh/creds.py)."""
+for good. Real nats-server, the generated users and permissions (pdmesh/deploy/creds.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 from nats.js.api import RePublish
 
-from pdmesh.streamkeeper import StreamKeeper
+from pdmesh.deploy.streamkeeper import StreamKeeper
 from shared import jobqueue, jobstream, subjects as S
 from tests.authserver import AuthServer
 
@@ -123,7 +123,7 @@ def test_the_keeper_puts_back_every_change(tmp_path):
 def test_the_health_check_says_when_the_stream_is_wrong(tmp_path, monkeypatch):
     """compose's `jobstream` container is healthy only while the stream is there with
     exactly its configuration (prefill and decode wait for that)."""
-    from pdmesh.healthcheck import check_stream
+    from pdmesh.deploy.healthcheck import check_stream
 
     srv = AuthServer(tmp_path)
     for k, v in srv.secrets.env(S.ADMIN).items():

@@ -10,7 +10,7 @@ import asyncio
 import nats
 import pytest
 
-from pdmesh.cluster import Cluster
+from pdmesh.local.cluster import Cluster
 from shared import jobqueue, jobstream, micro, subjects
 
 pytestmark = pytest.mark.timeout(120)

@@ -12,7 +12,7 @@ from pathlib import Path
 import nats
 import pytest
 
-from pdmesh.cluster import Cluster
+from pdmesh.local.cluster import Cluster
 from shared import jobstream, micro, subjects
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,7 +75,7 @@ async def test_tls_cluster_with_users_serves_and_turns_strangers_away():
             await n.close()
 
         # the container health check connects as the service's own user (compose)
-        hc = [sys.executable, "-m", "pdmesh.healthcheck", "kvstore", "--nats-url",
+        hc = [sys.executable, "-m", "pdmesh.deploy.healthcheck", "kvstore", "--nats-url",
               c.nats.url, "--instance-id", "kvstore_0"]
         env = c.procs["kvstore-0"].env
         assert subprocess.run(hc, env=env, timeout=60).returncode == 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdmesh.cluster import CONFIG_CLASSES, config_class
+from pdmesh.local.cluster import CONFIG_CLASSES, config_class
 from shared.natsconn import NatsAuth, connect_kwargs, servers
 from shared.settings import field_names, load
 
@@ -29,7 +29,7 @@ def test_identity_from_env_and_url(tmp_path):
 
 
 def test_tls_ca_makes_every_url_tls(tmp_path):
-    from pdmesh.creds import make_tls
+    from pdmesh.deploy.creds import make_tls
 
     tls = make_tls(tmp_path, ["127.0.0.1"])
     kw = connect_kwargs("nats://a:1,tls://b:2", NatsAuth(tls_ca=str(tls.ca)))

@@ -1,9 +1,9 @@
-"""The supervisor's restart decisions (pdmesh/restarts.py), event by event."""
+"""The supervisor's restart decisions (pdmesh/local/restarts.py), event by event."""
 from __future__ import annotations
 
 import pytest
 
-from pdmesh.restarts import GiveUp, Restart, RestartPolicy
+from pdmesh.local.restarts import GiveUp, Restart, RestartPolicy
 
 
 def test_a_crash_is_restarted_with_doubling_backoff():

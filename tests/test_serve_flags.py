@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from pdmesh import cli
-from pdmesh.cluster import Cluster
-from pdmesh.serve_args import cluster_kwargs
+from pdmesh.local.cluster import Cluster
+from pdmesh.local.serve_args import cluster_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
 

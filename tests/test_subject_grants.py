@@ -1,6 +1,6 @@
 """The NATS permission table is one source of truth (shared/subjects.py GRANTS): every
 subject the code builds is in it, each service's code uses only subjects granted to that
-service, and the nats-server config generated from it (pdmesh/creds.py) is valid and
+service, and the nats-server config generated from it (pdmesh/deploy/creds.py) is valid and
 least-privilege. The server enforcing it: tests/e2e/test_nats_auth.py."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pdmesh.cluster import nats_server_binary
-from pdmesh.creds import USERS, Secrets, auth_conf
+from pdmesh.deploy.creds import USERS, Secrets, auth_conf
+from pdmesh.local.cluster import nats_server_binary
 from shared import subjects as S
 from tests.authserver import AuthServer
 

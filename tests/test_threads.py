@@ -1,8 +1,8 @@
 """--threads auto: the host's cores divided among the engine instances pdmesh up starts."""
 import pytest
 
-from pdmesh.cluster import Cluster
-from pdmesh.threads import parse_threads, resolve_threads, split_cores
+from pdmesh.local.cluster import Cluster
+from pdmesh.local.threads import parse_threads, resolve_threads, split_cores
 
 
 @pytest.mark.parametrize("cores,prefill,decode,want", [

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from pdmesh.cluster import Cluster
+from pdmesh.local.cluster import Cluster
 
 # Prefill and decode must share every shape-affecting engine setting for the
 # deterministic (batch-invariant) comparisons: these go to both.

@@ -29,7 +29,7 @@ import msgspec
 import nats
 import pytest
 
-from pdmesh.cluster import Cluster
+from pdmesh.local.cluster import Cluster
 from services.gateway.config import GatewayConfig
 from services.gateway.model import ModelSpec
 from services.gateway.validate import parse_chat

@@ -14,8 +14,8 @@ import time
 import aiohttp
 import nats
 
-from pdmesh.chaos import ONE_WRITE, ChaosConfig, headline, run
-from pdmesh.cluster import Cluster
+from pdmesh.chaos.run import ONE_WRITE, ChaosConfig, headline, run
+from pdmesh.local.cluster import Cluster
 from shared import micro
 from shared.contracts.sampling import SamplingParams
 from shared.natsconn import connect_kwargs

@@ -1,7 +1,7 @@
 """Invariant 3's negative controls: each guard alone is sufficient, and with neither the
 chaos run sees corruption.
 
-One short chaos run made hazardous on purpose (pdmesh.chaos.HAZARD: 400 requests, KV
+One short chaos run made hazardous on purpose (pdmesh.chaos.run.HAZARD: 400 requests, KV
 writes delayed up to 0.4 s each, half cancelled, abort storms; fixed seed), three times:
 
     fence only (reclaim-ack off)  no mismatch, and writes were fenced: late writes for
@@ -17,7 +17,7 @@ test_chaos.py runs both guards at 1,000 requests; scripts/chaos.py --guards all 
 four configurations side by side at any size."""
 from __future__ import annotations
 
-from pdmesh.chaos import ONE_WRITE, hazard, headline, run
+from pdmesh.chaos.run import ONE_WRITE, hazard, headline, run
 
 
 def _run(tiny_target, guards: str, **kw) -> dict:

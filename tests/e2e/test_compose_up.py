@@ -1,6 +1,6 @@
 """`docker compose up` serves (issue 30): the image built as scripts/image.sh builds it (a
 debootstrapped base where no registry is reachable, wheels from constraints.txt), the
-credentials as `python -m pdmesh.creds` writes them, compose.yaml as it is (3 clustered
+credentials as `python -m pdmesh.deploy.creds` writes them, compose.yaml as it is (3 clustered
 nats-servers from the image, the job stream keeper, kvstore, prefill, decode, gateway, API
 key as a secret), then the official `openai` client: a chat, a tool call with
 tool_choice="required" across PD, a stream. Torn down (volumes too) at the end.
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from pdmesh.creds import api_key
-from pdmesh.launch import free_port
+from pdmesh.deploy.creds import api_key
+from pdmesh.local.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"
@@ -76,7 +76,7 @@ def mesh(tmp_path_factory):
     print(f"\nimage: {time.monotonic() - t0:.0f} s; {r.stdout.strip().splitlines()[-1]}")
     secrets = tmp_path_factory.mktemp("compose") / "secrets"
     subprocess.run(["python3" if not (ROOT / ".venv").exists() else str(ROOT / ".venv/bin/python"),
-                    "-m", "pdmesh.creds", str(secrets)], cwd=ROOT, check=True,
+                    "-m", "pdmesh.deploy.creds", str(secrets)], cwd=ROOT, check=True,
                    capture_output=True)
     port = free_port()
     env = os.environ | {"PDMESH_SECRETS": str(secrets), "PDMESH_GATEWAY_PORT": str(port)}

@@ -14,7 +14,7 @@ import jsonschema
 import msgspec
 import nats
 
-from pdmesh.workloads import CANON, SCHEMA, TOOLS
+from pdmesh.bench.workloads import CANON, SCHEMA, TOOLS
 from shared import subjects
 from shared.contracts.common import encode
 from shared.contracts.constraint import Constraint, ConstraintKind

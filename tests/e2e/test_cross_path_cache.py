@@ -11,7 +11,7 @@ import json
 import aiohttp
 import pytest
 
-from pdmesh.cluster import Cluster
+from pdmesh.local.cluster import Cluster
 from shared.contracts.sampling import SamplingParams
 
 from .conftest import DET, det_overrides, reference_engine

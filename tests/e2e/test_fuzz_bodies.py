@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from pdmesh.cluster import Cluster
+from pdmesh.local.cluster import Cluster
 from shared import micro
 from tests.e2e.fuzz_strategies import MODEL, PREV, api_request, chat_request
 

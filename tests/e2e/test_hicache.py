@@ -20,7 +20,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from pdmesh.cluster import Cluster
+from pdmesh.local.cluster import Cluster
 from shared.contracts.sampling import SamplingParams
 
 from .conftest import DET, det_overrides, reference_engine

@@ -7,7 +7,7 @@ import asyncio
 
 import aiohttp
 
-from pdmesh.cluster import Cluster
+from pdmesh.local.cluster import Cluster
 
 from .conftest import DET, det_overrides, reference_engine
 from .helpers import complete, micro_stats

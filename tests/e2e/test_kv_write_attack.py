@@ -20,7 +20,7 @@ import msgspec
 import nats
 import pytest
 
-from pdmesh.cluster import Cluster
+from pdmesh.local.cluster import Cluster
 from shared import subjects as S
 from shared.contracts.kv import KvWrite, KvWriteAck
 from shared.contracts.sampling import SamplingParams

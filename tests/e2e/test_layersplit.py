@@ -15,7 +15,7 @@ import time
 import aiohttp
 import pytest
 
-from pdmesh.cluster import Cluster
+from pdmesh.local.cluster import Cluster
 from shared import micro
 from shared.contracts.sampling import SamplingParams
 

@@ -10,7 +10,7 @@ import time
 
 import aiohttp
 
-from pdmesh.cluster import Cluster
+from pdmesh.local.cluster import Cluster
 from shared.contracts.sampling import SamplingParams
 
 from .conftest import DET, det_overrides, reference_engine

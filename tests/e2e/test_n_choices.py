@@ -13,7 +13,7 @@ import aiohttp
 import openai
 import pytest
 
-from pdmesh.cluster import Cluster
+from pdmesh.local.cluster import Cluster
 from shared.contracts.sampling import SamplingParams
 
 from .conftest import DET, ENGINE_SHAPES, det_overrides, reference_engine

@@ -14,7 +14,7 @@ import aiohttp
 import nats
 import pytest
 
-from pdmesh.cluster import Cluster
+from pdmesh.local.cluster import Cluster
 from shared import subjects as S
 from shared.contracts.sampling import SamplingParams
 

@@ -26,9 +26,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from pdmesh import netlab
-from pdmesh.faultload import Load, metric, references
-from pdmesh.launched import UpMesh
+from pdmesh.chaos import netlab
+from pdmesh.chaos.faultload import Load, metric, references
+from pdmesh.local.launched import UpMesh
 from shared import micro
 from tests.conftest import TINY_TARGET
 

@@ -20,7 +20,7 @@ import time
 import aiohttp
 import pytest
 
-from pdmesh.cluster import Cluster
+from pdmesh.local.cluster import Cluster
 
 from .conftest import DET, det_overrides
 

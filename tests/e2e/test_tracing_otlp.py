@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as pb
 
-from pdmesh.cluster import Cluster
+from pdmesh.local.cluster import Cluster
 
 from .conftest import DET, det_overrides
 

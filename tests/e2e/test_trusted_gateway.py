@@ -19,7 +19,7 @@ import nats
 import openai
 import pytest
 
-from pdmesh.cluster import Cluster
+from pdmesh.local.cluster import Cluster
 from shared import micro
 from shared.contracts.common import Codec, encode
 from shared.contracts.messages import Heartbeat

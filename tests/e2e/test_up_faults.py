@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from pdmesh.faultload import Load, references, sample as _sample
-from pdmesh.launched import UpMesh
+from pdmesh.chaos.faultload import Load, references, sample as _sample
+from pdmesh.local.launched import UpMesh
 from shared import micro
 from tests.conftest import TINY_TARGET
 

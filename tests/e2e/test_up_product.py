@@ -9,7 +9,7 @@ import time
 import aiohttp
 import pytest
 
-from pdmesh.launched import UpMesh
+from pdmesh.local.launched import UpMesh
 from tests.conftest import TINY_TARGET
 
 KEY = "k-" + "x" * 30

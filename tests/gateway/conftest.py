@@ -45,7 +45,7 @@ def _free_port() -> int:
 
 async def _provision(url: str) -> None:
     """The job stream, as pdmesh up's keeper makes it (services only wait for it)."""
-    from pdmesh.streamkeeper import StreamKeeper
+    from pdmesh.deploy.streamkeeper import StreamKeeper
 
     keeper = StreamKeeper({"servers": [url]})
     await keeper.start()

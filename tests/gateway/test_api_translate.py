@@ -262,7 +262,8 @@ def test_response_store_is_a_bounded_lru():
 
 
 def test_pdmesh_up_defaults_to_the_converted_default_model(smollm2, monkeypatch):
-    from pdmesh import cli, up
+    from pdmesh import cli
+    from pdmesh.local import up
 
     assert cli.build_parser().parse_args(["up"]).model is None
     monkeypatch.setenv("PDMESH_SMOLLM2_DIR", str(smollm2))

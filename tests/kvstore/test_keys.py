@@ -11,7 +11,7 @@ import nats
 import pytest
 import torch
 
-from pdmesh.launch import free_port, nats_server_binary
+from pdmesh.local.launch import free_port, nats_server_binary
 from services.kvstore.config import KvstoreConfig
 from services.kvstore.service import KvstoreService
 from shared import subjects

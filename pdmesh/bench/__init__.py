@@ -1,0 +1,2 @@
+"""`pdmesh bench` and the benchmark helpers: load generators, workloads, the raw NATS baseline,
+counters, reports and plots."""
