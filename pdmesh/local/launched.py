@@ -109,9 +109,12 @@ class UpMesh:
         return next(n for n in self.record()["children"] if n.startswith("gateway-"))
 
     async def metrics(self) -> str:
-        from pdmesh.chaos.faultload import metrics_text
+        """The gateway's /metrics page."""
+        import aiohttp
 
-        return await metrics_text(self.url)
+        async with aiohttp.ClientSession() as http:
+            async with http.get(self.url + "/metrics") as r:
+                return await r.text()
 
     def tail(self, n: int = 40) -> str:
         return "\n".join(list(self.lines)[-n:])
