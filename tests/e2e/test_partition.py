@@ -54,7 +54,11 @@ def mesh(lab):
     try:
         loop.run_until_complete(m.start())
         proc = m.spawn_like("decode-0", "decode_b", nats_host=host.peer, wrap=host.command)
-        loop.run_until_complete(_decodes(m, 2, 120))
+        try:
+            loop.run_until_complete(_decodes(m, 2, 240))
+        except TimeoutError as e:       # once in a fresh-clone full run: say why
+            log = (m.run_dir / "decode_b.log").read_text(errors="replace")[-3000:]
+            raise TimeoutError(f"{e}\ndecode_b (exit {proc.poll()}):\n{log}") from None
         yield m, loop, host
     finally:
         host.heal()
