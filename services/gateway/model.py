@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shared.engine.archs import context_window
+
 from .config import GatewayConfig
 from .defaults import load_generation_defaults
 
@@ -38,9 +40,7 @@ class ModelSpec:
             tokenizer = Tokenizer.from_pretrained(folder, cfg.chat_template or None)
         config = _read_json(folder / "config.json")
         text_config = config.get("text_config") or {}
-        window = (config.get("max_position_embeddings")
-                  or text_config.get("max_position_embeddings")
-                  or getattr(tokenizer, "context_length", None))
+        window = context_window(config) or getattr(tokenizer, "context_length", None)
         if not window:
             raise ValueError(f"{folder}/config.json has no max_position_embeddings")
         if cfg.max_model_len:        # as the engine: never past the model's own window

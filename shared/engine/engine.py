@@ -73,8 +73,8 @@ class LLMEngine:
         self.model = load_model(cfg.model, mc, cfg, smooth_ids=calibration_ids(cfg, tokenizer))
         dc = draft_config(cfg, mc)
         models = [c for c in (mc, dc) if c is not None]
-        self.max_model_len = min([cfg.max_model_len or mc.max_position]
-                                 + [c.max_position for c in models])
+        self.max_model_len = min([cfg.max_model_len or mc.max_context]
+                                 + [c.max_context for c in models])
         # a block id names target KV and (when speculating) the draft's, in two pools
         block_bytes = sum(kv_block_bytes(c, cfg.block_size, cfg.torch_dtype) for c in models)
         num_blocks = cfg.num_blocks or max(1, cfg.kv_cache_bytes // block_bytes)

@@ -1,8 +1,11 @@
-"""Checkpoint loading: a local Llama/Qwen2-family HF folder -> ModelConfig + weights.
+"""Checkpoint loading: a local HF folder of an architecture archs.py describes ->
+ModelConfig + weights.
 
 Config comes through transformers' AutoConfig; weights straight from safetensors (one
 file or a sharded index). Everything is validated up front, so a bad checkpoint fails
-with a message that names what is wrong instead of a shape error mid-forward.
+with a message that names what is wrong instead of a shape error mid-forward; a field
+the forward does not honour (archs.refusals) or a tensor it would not read is refused by
+name, never dropped.
 """
 from __future__ import annotations
 
@@ -13,17 +16,16 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from .archs import ARCHS, context_window, refusals
+
 
 class CheckpointError(ValueError):
     """The folder is not a checkpoint this engine can serve."""
 
 
-# architecture -> whether q/k/v projections carry a bias by default
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": False,
-    "MistralForCausalLM": False,
-    "Qwen2ForCausalLM": True,
-}
+SUPPORTED_ARCHITECTURES = sorted(ARCHS)
+# tensors a checkpoint may carry that the forward recomputes (older Llama exports)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,10 +39,13 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    max_position: int
+    max_position: int          # RoPE's table (max_position_embeddings)
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool       # q/k/v biases
     hf_config: object  # the transformers config, for RoPE parameters
+    o_bias: bool = False       # an o_proj bias (attention_bias on Llama, Mistral, Qwen3)
+    qk_norm: bool = False      # Qwen3: RMSNorm over each q and k head before RoPE
+    max_context: int = 0       # what a request may hold: the sliding window if shorter
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -68,14 +73,16 @@ def load_config(path: str | Path) -> ModelConfig:
     except Exception as e:  # noqa: BLE001 - surface transformers' reason
         raise CheckpointError(f"{path}: config.json cannot be read: {e}") from e
     archs = list(getattr(hf, "architectures", None) or [])
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    arch = next((a for a in archs if a in ARCHS), None)
     if arch is None:
         raise CheckpointError(
             f"{path}: unsupported architecture {archs or hf.model_type!r}; "
-            f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
-    for unsupported in ("sliding_window",):
-        if getattr(hf, "use_sliding_window", False) and getattr(hf, unsupported, None):
-            raise CheckpointError(f"{path}: sliding-window attention is not supported")
+            f"supported: {SUPPORTED_ARCHITECTURES}")
+    d = hf.to_dict()
+    if why := refusals(d, arch):
+        raise CheckpointError(f"{path}: not supported: {'; '.join(why)}")
+    spec = ARCHS[arch]
+    biased = bool(getattr(hf, "attention_bias", False))
     num_heads = hf.num_attention_heads
     return ModelConfig(
         architecture=arch,
@@ -89,8 +96,11 @@ def load_config(path: str | Path) -> ModelConfig:
         rms_norm_eps=hf.rms_norm_eps,
         max_position=hf.max_position_embeddings,
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        attention_bias=bool(getattr(hf, "attention_bias", SUPPORTED_ARCHITECTURES[arch])),
+        attention_bias=spec.qkv_bias or biased,
         hf_config=hf,
+        o_bias=biased and not spec.qkv_bias,
+        qk_norm=spec.qk_norm,
+        max_context=context_window(d) or hf.max_position_embeddings,
     )
 
 
@@ -122,6 +132,10 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                 p + "self_attn.k_proj.bias": (cfg.kv_size,),
                 p + "self_attn.v_proj.bias": (cfg.kv_size,),
             }
+        if cfg.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (H,)
+        if cfg.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)}
     return shapes
 
 
@@ -144,13 +158,19 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
     path = Path(path)
     want = expected_shapes(cfg)
     got: dict[str, torch.Tensor] = {}
+    unread: list[str] = []
     for f in _weight_files(path):
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
                 if name in want:
                     got[name] = st.get_tensor(name).to(device=device, dtype=dtype)
-    if cfg.tie_word_embeddings:
-        got.pop("lm_head.weight", None)
+                elif not name.endswith(IGNORED_SUFFIXES) and not (
+                        cfg.tie_word_embeddings and name == "lm_head.weight"):
+                    unread.append(name)
+    if unread:      # a tensor the forward would not use changes the model: never dropped
+        more = f" (+{len(unread) - 5} more)" if len(unread) > 5 else ""
+        raise CheckpointError(f"{path}: tensors this engine does not use ({cfg.architecture} "
+                              f"as config.json describes it): {sorted(unread)[:5]}{more}")
     missing = sorted(set(want) - set(got))
     if missing:
         more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""

@@ -57,7 +57,8 @@ class BatchMeta:
 
 
 class Layer:
-    __slots__ = ("ln1", "ln2", "qkv_w", "qkv_b", "o_w", "gate_up_w", "down_w")
+    __slots__ = ("ln1", "ln2", "qkv_w", "qkv_b", "o_w", "o_b", "q_norm", "k_norm", "gate_up_w",
+                 "down_w")
 
 
 class Model:
@@ -124,6 +125,9 @@ class Model:
         L.qkv_b = (torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"),
                               w("self_attn.v_proj.bias")]) if cfg.attention_bias else None)
         L.o_w = q8(w("self_attn.o_proj.weight"))
+        L.o_b = w("self_attn.o_proj.bias") if cfg.o_bias else None
+        L.q_norm, L.k_norm = ((w("self_attn.q_norm.weight"), w("self_attn.k_norm.weight"))
+                              if cfg.qk_norm else (None, None))
         L.gate_up_w = q8(torch.cat([w("mlp.gate_proj.weight"),
                                    w("mlp.up_proj.weight")]).contiguous())
         L.down_w = q(w("mlp.down_proj.weight"))
@@ -166,7 +170,11 @@ class Model:
         for li, L in enumerate(self.layers):
             x = self.rms_norm(h, L.ln1)
             qkv = linear(x, L.qkv_w, L.qkv_b)                        # [T, (Hq+2Hkv)*D]
-            qk = self.rope(qkv[:, :(Hq + Hkv) * D].view(T, Hq + Hkv, D), cos, sin)
+            qk = qkv[:, :(Hq + Hkv) * D].view(T, Hq + Hkv, D)
+            if L.q_norm is not None:                                 # Qwen3: per head
+                qk = torch.cat([self.rms_norm(qk[:, :Hq], L.q_norm),
+                                self.rms_norm(qk[:, Hq:], L.k_norm)], dim=1)
+            qk = self.rope(qk, cos, sin)
             q, k = qk[:, :Hq], qk[:, Hq:]
             v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
             k_cache, v_cache = kv[li, 0], kv[li, 1]
@@ -176,7 +184,7 @@ class Model:
             for ld in meta.loads:   # readiness guard: layer li of a prefix load has landed
                 ld.wait(li, meta.load_timeout_s)
             o = self.attention(q, k_cache, v_cache, meta, plan)      # [T, Hq, D]
-            h = h + linear(o.reshape(T, Hq * D), L.o_w)
+            h = h + linear(o.reshape(T, Hq * D), L.o_w, L.o_b)
             x = self.rms_norm(h, L.ln2)
             gate, up = linear(x, L.gate_up_w).chunk(2, dim=-1)
             h = h + linear(F.silu(gate) * up, L.down_w)
