@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="one-shot local generation with the engine (no NATS)")
     gen.add_argument("prompt")
-    gen.add_argument("--model", required=True, help="HF model folder")
+    gen.add_argument("--model", required=True,
+                     help="HF model folder, or a Hugging Face id in the local cache")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)

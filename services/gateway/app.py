@@ -64,7 +64,8 @@ class Gateway:
         self.token_text: Callable[[int], str] = lru_cache(maxsize=1 << 16)(
             lambda t: spec.tokenizer.decode([t]))
         self.keys = auth.KeyRing(auth.parse_keys(cfg.api_key, cfg.api_key_file))
-        self.grammar = GrammarGuard(cfg.model, spec.vocab_size, cfg.grammar_timeout_s)
+        self.grammar = GrammarGuard(spec.folder or cfg.model, spec.vocab_size,
+                                    cfg.grammar_timeout_s)
         self.body_limit = cfg.max_body_bytes     # and at most NATS max_payload, once connected
 
     async def start(self) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.engine.archs import context_window
+from shared.engine.model_path import resolve
 
 from .config import GatewayConfig
 from .defaults import load_generation_defaults
@@ -26,13 +27,14 @@ class ModelSpec:
     # on generated tokens when a chat-like request sets none (None: the context window)
     sampling_defaults: dict = field(default_factory=dict)
     default_max_tokens: int | None = None
+    folder: str = ""                  # where its files are (--model may be a Hub id)
 
     def accepts(self, model: str | None) -> bool:
         return model is None or model == self.name or model in self.aliases
 
     @classmethod
     def load(cls, cfg: GatewayConfig, tokenizer: Any = None) -> "ModelSpec":
-        folder = Path(cfg.model)
+        folder = resolve(cfg.model)       # a folder, or a Hub id in the local cache
         if not (folder / "config.json").is_file():
             raise ValueError(f"model folder {folder} has no config.json")
         if tokenizer is None:
@@ -50,7 +52,8 @@ class ModelSpec:
         return cls(name=cfg.served_model_name, aliases=frozenset({cfg.model, str(folder)}),
                    max_model_len=int(window), vocab_size=int(vocab), tokenizer=tokenizer,
                    created=int(time.time()), sampling_defaults=defaults,
-                   default_max_tokens=cap or cfg.default_max_tokens or None)
+                   default_max_tokens=cap or cfg.default_max_tokens or None,
+                   folder=str(folder))
 
 
 def _read_json(path: Path) -> dict:

@@ -21,7 +21,8 @@ def _h(text: str) -> dict:
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str = field(default="", metadata=_h("HF model folder"))
+    model: str = field(default="", metadata=_h(
+        "HF model folder, or a Hugging Face id (org/name[@revision]) in the local cache"))
     dtype: str = field(default="float32", metadata=_h("float32 | bfloat16 | float16"))
     block_size: int = field(default=16, metadata=_h("tokens per KV block"))
     num_blocks: int = field(default=0, metadata=_h("KV blocks (0: from kv_cache_mb)"))

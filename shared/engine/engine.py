@@ -42,6 +42,7 @@ from .layer_load import LayerLoad, LoadFailed
 from .limits import check_request
 from .loader import draft_config, load_config
 from .model import kv_block_bytes, kv_pool, load_model
+from .model_path import resolve
 from .output import OutputProcessor, RequestOutput
 from .prefix import prefix_salt
 from .prefix_cache import PrefixCache
@@ -65,12 +66,13 @@ class LLMEngine:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.cfg = cfg
-        self.model_cfg = mc = load_config(cfg.model)
+        folder = resolve(cfg.model)          # a folder, or a Hub id in the local cache
+        self.model_cfg = mc = load_config(folder)
         if tokenizer == "auto":
             from .tokenizer import Tokenizer
-            tokenizer = Tokenizer.from_pretrained(cfg.model)
+            tokenizer = Tokenizer.from_pretrained(folder)
         self.tokenizer = tokenizer
-        self.model = load_model(cfg.model, mc, cfg, smooth_ids=calibration_ids(cfg, tokenizer))
+        self.model = load_model(folder, mc, cfg, smooth_ids=calibration_ids(cfg, tokenizer))
         dc = draft_config(cfg, mc)
         models = [c for c in (mc, dc) if c is not None]
         self.max_model_len = min([cfg.max_model_len or mc.max_context]
@@ -107,7 +109,7 @@ class LLMEngine:
 
         cfg = self.cfg
         self.draft_kv = kv_pool(dc, num_blocks, cfg.block_size, cfg.torch_dtype, cfg.device)
-        draft = load_model(cfg.draft_model, dc, cfg, cfg.draft_quant)
+        draft = load_model(resolve(cfg.draft_model), dc, cfg, cfg.draft_quant)
         self.spec = SpecRunner(self, draft)
         self.scheduler.lookahead = self.spec.lookahead
 

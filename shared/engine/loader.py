@@ -188,7 +188,9 @@ def draft_config(cfg, target):
     target's vocabulary."""
     if not cfg.speculative:
         return None
-    dc = load_config(cfg.draft_model)
+    from .model_path import resolve
+
+    dc = load_config(resolve(cfg.draft_model))
     if dc.vocab_size != target.vocab_size:
         raise ValueError(f"draft model {cfg.draft_model} has vocab_size {dc.vocab_size}; "
                          f"the target's is {target.vocab_size}: they must share a "

@@ -116,3 +116,32 @@ def test_a_tensor_the_forward_would_not_read_is_refused(tmp_path):
     save_file(tensors, st, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="up_proj.bias"):
         engine(path)
+
+
+def test_a_hub_id_in_the_local_cache_is_served_and_one_not_there_is_refused(tmp_path,
+                                                                            monkeypatch):
+    """`--model org/name` resolves from the local Hugging Face cache (no download, as
+    HF_HUB_OFFLINE=1 would have it); an id the cache lacks says where it looked."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    from shared.engine.model_path import ModelNotFound, resolve
+
+    src = checkpoint(tmp_path / "m", "Qwen3Config", num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16)
+    cache = tmp_path / "hub"
+    snap = cache / "models--acme--tiny-qwen3" / "snapshots" / ("a" * 40)
+    shutil.copytree(src, snap)
+    (cache / "models--acme--tiny-qwen3" / "refs").mkdir()
+    (cache / "models--acme--tiny-qwen3" / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve("acme/tiny-qwen3") == snap
+    eng = LLMEngine(EngineConfig(model="acme/tiny-qwen3", num_blocks=64, block_size=8,
+                                 dtype="float32"), tokenizer=None)
+    assert eng.model_cfg.qk_norm
+    with pytest.raises(ModelNotFound, match="not in the Hugging Face cache"):
+        resolve("acme/not-here")
+    assert resolve(str(src)) == src                       # a folder is used as it is
