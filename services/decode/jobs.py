@@ -25,13 +25,13 @@ CARRIED = ("request_id", "prompt_ids", "params", "constraint", "tokenizer_finger
 
 
 def make_prefill_job(sub: DecodeSubmit, dest: KvDestination, model: str,
-                     block_size: int) -> PrefillJob:
+                     block_size: int, kvstore_blocks: int | None = None) -> PrefillJob:
     return PrefillJob(
         request_id=sub.request_id, prompt_ids=sub.prompt_ids, params=sub.params,
         constraint=sub.constraint,
         tokenizer_fingerprint=sub.tokenizer_fingerprint, resume_from=sub.resume_from,
         cache_salt=sub.cache_salt, model=model, block_size=block_size,
-        dest=dest, issued_at=time.time())
+        dest=dest, issued_at=time.time(), kvstore_blocks=kvstore_blocks)
 
 
 def carried_done(w: KvWrite, landed: bool, attempt: str) -> PrefillDone:

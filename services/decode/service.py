@@ -15,6 +15,7 @@ Life cycle of a request (the record and its states: request.py; the table: lifec
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import time
@@ -248,8 +249,8 @@ class DecodeService:
         self.spans.start(sub.request_id, "generate", path="colocated")
 
     async def _reserve(self, sub: DecodeSubmit) -> Slots:
-        tier = 0
-        if self.cfg.kvstore and self.kvc is not None:
+        tier, asked = 0, self.cfg.kvstore and self.kvc is not None
+        if asked:   # once per request: the job tells prefill (PrefillJob.kvstore_blocks)
             tier = await self.kvc.lookup(self.engine.prefix_keys(sub.prompt_ids, sub.cache_salt))
         with tracing.span("reserve", kvstore_blocks=tier):
             slots = self.slots.reserve(sub.request_id, sub.prompt_ids, sub.params, sub.constraint,
@@ -257,12 +258,13 @@ class DecodeService:
                                        sub.cache_salt)
             if slots.load is not None:
                 self.rt.spawn(self.kvc.load(self.engine, slots.load))
-        return slots
+        return dataclasses.replace(slots, kvstore_blocks=tier if asked else None)
 
     async def _dispatch(self, sub: DecodeSubmit, slots: Slots) -> None:
         dest = KvDestination(instance_id=self.iid, block_ids=slots.dest, epochs=slots.epochs,
                              skip_blocks=slots.skip)
-        job = make_prefill_job(sub, dest, self.cfg.model, self.engine.cfg.block_size)
+        job = make_prefill_job(sub, dest, self.cfg.model, self.engine.cfg.block_size,
+                               slots.kvstore_blocks)
         self.spans.start(sub.request_id, "await_kv", blocks=len(slots.dest))
         try:
             await self.peers.queue_job(job)

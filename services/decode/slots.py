@@ -36,6 +36,7 @@ class Slots:
     held: list[int]            # every engine block the request holds meanwhile
     skip: int                  # leading prompt blocks served here (L1 or the load)
     load: LayerLoad | None     # the caller fills it from kvstore
+    kvstore_blocks: int | None = None   # what kvstore held when looked up (None: not asked)
 
 
 class KvSlots:

@@ -266,7 +266,8 @@ class PrefillService:
         """The first token, and how many leading prompt blocks kvstore already holds."""
         kvc = self.kvc if self.cfg.kvstore else None
         tier, loader = await layersplit.lookup(
-            self.group, kvc, self.engine.prefix_keys(job.prompt_ids, job.cache_salt))
+            self.group, kvc, self.engine.prefix_keys(job.prompt_ids, job.cache_salt),
+            job.kvstore_blocks)
         await precompile(self.engine, job.constraint)   # off the loop, outside the lock
         fut = asyncio.get_running_loop().create_future()
         self.pending[local_id] = fut

@@ -77,6 +77,9 @@ class PrefillJob(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     issued_at: float = 0.0
     resume_from: int = 0              # DecodeSubmit.resume_from: the grammar replays them
     cache_salt: str = ""              # DecodeSubmit.cache_salt: prefill's prefix keys too
+    kvstore_blocks: int | None = None  # leading prompt blocks kvstore held when decode looked
+    #                                    (None: it did not): prefill loads them without asking
+    #                                    again; one evicted since is recomputed
 
 
 class PrefillStatus(str, enum.Enum):

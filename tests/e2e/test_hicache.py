@@ -121,6 +121,8 @@ def test_l2_hits_with_slow_layer_loads(l2_mesh, prompts, reference):
     assert wrong == 0, f"{wrong} of {len(got)} outputs differ from the uncached reference"
     assert all(c >= 384 for c in cached[1:]), cached
     assert kv["l2_hits"] >= 19 * 24 and kv["l3_entries"] == 0
+    # one lookup per request: decode asks, its PrefillJob tells prefill (before: 2 each)
+    assert kv["lookups"] == len(prompts), kv["lookups"]
     assert pre["kv_loads"] >= 19 and pre["kv_load_failures"] == 0 and pre["l1_hit_blocks"] == 0
     dec = asyncio.run(micro_stats(l2_mesh.nats_url, "decode"))
     assert dec["kv_loads"] >= 19 and dec["kv_load_failures"] == 0   # decode loads the prefix too

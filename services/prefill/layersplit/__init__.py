@@ -19,9 +19,13 @@ def build(cfg, engine) -> LayerSplitGroup | None:
     return LayerSplitGroup(cfg.group, engine, delay_s=cfg.faults.group_delay_s)
 
 
-async def lookup(group: LayerSplitGroup | None, kvc, keys: list[bytes]):
+async def lookup(group: LayerSplitGroup | None, kvc, keys: list[bytes],
+                 known: int | None = None):
     """(leading blocks a lower tier holds, the loader that fills them): the group when it
-    holds at least as much as kvstore (kvc None: kvstore off), kvstore otherwise."""
+    holds at least as much as kvstore (kvc None: kvstore off), kvstore otherwise. known:
+    what kvstore held when decode looked (PrefillJob.kvstore_blocks): not asked again."""
     held = group.lookup(keys) if group is not None else 0
-    tier = await kvc.lookup(keys) if kvc is not None and held < len(keys) else 0
+    tier = 0
+    if kvc is not None and held < len(keys):
+        tier = min(known, len(keys)) if known is not None else await kvc.lookup(keys)
     return (held, group) if group is not None and held and held >= tier else (tier, kvc)
