@@ -58,7 +58,10 @@ ACK = Codec(SubmitAck)
 CHUNK = Codec(TokenChunk)
 HEARTBEAT = Codec(Heartbeat)
 
-RETRY_ELSEWHERE = {ErrorCode.OVERLOADED, ErrorCode.SHUTTING_DOWN, ErrorCode.TOKENIZER_MISMATCH}
+# ABORTED at admission: decode dropped the request before acknowledging it (its orphan sweep
+# took this gateway for gone while a loaded host delayed its heartbeat), not the client's doing
+RETRY_ELSEWHERE = {ErrorCode.OVERLOADED, ErrorCode.SHUTTING_DOWN, ErrorCode.TOKENIZER_MISMATCH,
+                   ErrorCode.ABORTED}
 
 
 class ClientGone(Exception):

@@ -42,8 +42,11 @@ def test_decode_killed_mid_stream_gives_error_event_fast(tiny_target):
 
 def test_prefill_killed_with_job_in_flight_job_is_redelivered(tiny_target, tiny_prompts):
     prefill = det_overrides()["prefill"] | {"fault_delay_before_kv_s": 4.0, "ack_wait_s": 2.0}
+    # decode waits for the redelivery: a restart under a full suite's load once took longer
+    # than the default prefill_timeout_s (30 s), and decode prefilled the request itself
+    decode = det_overrides(mode="pd", prefill_timeout_s=120.0)
     with Cluster(str(tiny_target), prefill=1, decode=1, **DET,
-                 overrides=det_overrides(mode="pd") | {"prefill": prefill}, echo=False) as c:
+                 overrides=decode | {"prefill": prefill}, echo=False) as c:
         prompt = tiny_prompts[3]
 
         async def run():

@@ -172,3 +172,30 @@ async def test_an_answer_that_overtook_its_chunk_moves_nothing(nats_url):
     assert (await client.next_chunk(d, time.monotonic() + 10)).token_ids == [8]
     hb.cancel()
     await nc.close()
+
+
+async def test_a_submission_decode_dropped_while_admitting_goes_to_another(nats_url):
+    """d_0 answers ABORTED ("aborted while being admitted": its orphan sweep took this
+    gateway for gone); the request goes to d_1 instead of failing with a 502."""
+    nc = await nats.connect(nats_url)
+
+    async def refusing(msg):
+        sub = Codec(DecodeSubmit).decode(msg.data)
+        err = ErrorReply(code=ErrorCode.ABORTED, message="aborted while being admitted",
+                         request_id=sub.request_id)
+        await nc.publish(msg.reply, encode(err), headers={
+            "Nats-Service-Error-Code": "503", "Nats-Service-Error": err.message})
+
+    async def accepting(msg):
+        sub = Codec(DecodeSubmit).decode(msg.data)
+        await msg.respond(encode(SubmitAck(request_id=sub.request_id, path=Path.COLOCATED)))
+
+    await nc.subscribe(subjects.decode_submit("d_0"), cb=refusing)
+    await nc.subscribe(subjects.decode_submit("d_1"), cb=accepting)
+    reg = Registry(dead_after_s=5.0)
+    for iid in ("d_0", "d_1"):
+        reg.observe(Heartbeat(service="decode", instance_id=iid), time.monotonic())
+    client = DecodeClient(nc, reg, "g_0", "", submit_timeout_s=5.0, request_timeout_s=20.0)
+    d = await client.submit("r1", [1, 2], SamplingParams(), Constraint(), prefer="d_0")
+    assert d.instance == "d_1" and d.sub.tried == {"d_0", "d_1"}
+    await nc.close()
