@@ -34,7 +34,10 @@ def run(args) -> int:
     def interrupt(*_):
         raise KeyboardInterrupt
 
+    # both, whatever was inherited: a shell script's background job starts with SIGINT
+    # ignored, and `kill -INT` (or a test's Ctrl-C) then did nothing at all
     signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
     code = 0
     try:
         cluster.start()

@@ -30,13 +30,15 @@ README_BODY = {"model": "SmolLM2-135M-Instruct",
 
 @pytest.fixture(scope="module")
 def default_up(smollm2, tmp_path_factory):
-    """`pdmesh up` with no --model; PDMESH_SMOLLM2_DIR points it at the converted folder."""
+    """`pdmesh up` with no --model; PDMESH_SMOLLM2_DIR points it at the converted folder.
+    Started with SIGINT ignored, as a shell script's background job is (`pdmesh up &`)."""
     log = tmp_path_factory.mktemp("up") / "up.log"
     env = os.environ | {"PDMESH_SMOLLM2_DIR": str(smollm2)}
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "pdmesh", "up", "--port", "0",
                                  "--threads", "1", "--no-kvstore"], cwd=ROOT, env=env,
-                                stdout=out, stderr=subprocess.STDOUT, text=True)
+                                stdout=out, stderr=subprocess.STDOUT, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         deadline = time.monotonic() + 300
         url = None
@@ -46,7 +48,7 @@ def default_up(smollm2, tmp_path_factory):
             m = re.search(r"pdmesh is up: (http://\S+)", log.read_text())
             url = m.group(1) if m else None
             time.sleep(0.5)
-        yield url, log
+        yield url, log, proc
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -62,7 +64,7 @@ async def ask(http: aiohttp.ClientSession, url: str, body: dict) -> dict:
 
 
 def test_readme_request_on_the_default_model(default_up, smollm2):
-    url, log = default_up
+    url, log, _ = default_up
     text = log.read_text()
     assert "no --model given" in text and str(smollm2) in text and "[gguf_convert]" in text
 
@@ -84,3 +86,15 @@ def test_readme_request_on_the_default_model(default_up, smollm2):
     paris = sum("Paris" in a for a in answers)
     assert paris >= 4, collections.Counter(answers).most_common()
     assert "Paris" in collections.Counter(answers).most_common(1)[0][0]
+
+
+def test_ctrl_c_stops_it_even_started_as_a_background_job(default_up):
+    """SIGINT stops the mesh (every child) in seconds, though the process began with SIGINT
+    ignored (before, it ignored Ctrl-C and `kill -INT` altogether: a 30 s teardown here)."""
+    _, log, proc = default_up
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("pdmesh up still runs 30 s after SIGINT") from None
+    assert "pdmesh: stopped" in log.read_text()
