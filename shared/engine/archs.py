@@ -13,6 +13,7 @@ from dataclasses import dataclass
 class Arch:
     qkv_bias: bool = False     # q/k/v carry a bias whatever attention_bias says (Qwen2)
     qk_norm: bool = False      # an RMSNorm over each head of q and of k before RoPE (Qwen3)
+    fused: bool = False        # q|k|v and gate|up stored as one tensor each (Phi-3)
 
 
 ARCHS: dict[str, Arch] = {
@@ -20,6 +21,7 @@ ARCHS: dict[str, Arch] = {
     "MistralForCausalLM": Arch(),
     "Qwen2ForCausalLM": Arch(qkv_bias=True),
     "Qwen3ForCausalLM": Arch(qk_norm=True),
+    "Phi3ForCausalLM": Arch(fused=True),
 }
 
 
@@ -59,6 +61,10 @@ def refusals(config: Mapping, arch: str) -> list[str]:
         out.append(f"hidden_act={act!r} (the MLP is SiLU-gated)")
     if config.get("mlp_bias"):
         out.append("mlp_bias=true (the MLP projections carry no bias here)")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor")) or 1.0
+    if partial != 1.0:
+        out.append(f"partial_rotary_factor={partial} (RoPE turns every dimension of a head)")
     if config.get("attention_bias") and arch == "Qwen2ForCausalLM":
         out.append("attention_bias=true on Qwen2 (an o_proj bias Qwen2 does not have)")
     return out

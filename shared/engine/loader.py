@@ -45,6 +45,7 @@ class ModelConfig:
     hf_config: object  # the transformers config, for RoPE parameters
     o_bias: bool = False       # an o_proj bias (attention_bias on Llama, Mistral, Qwen3)
     qk_norm: bool = False      # Qwen3: RMSNorm over each q and k head before RoPE
+    fused: bool = False        # Phi-3: qkv_proj and gate_up_proj tensors
     max_context: int = 0       # what a request may hold: the sliding window if shorter
 
     def __post_init__(self):
@@ -100,6 +101,7 @@ def load_config(path: str | Path) -> ModelConfig:
         hf_config=hf,
         o_bias=biased and not spec.qkv_bias,
         qk_norm=spec.qk_norm,
+        fused=spec.fused,
         max_context=context_window(d) or hf.max_position_embeddings,
     )
 
@@ -118,14 +120,18 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes |= {
             p + "input_layernorm.weight": (H,),
             p + "post_attention_layernorm.weight": (H,),
-            p + "self_attn.q_proj.weight": (cfg.q_size, H),
-            p + "self_attn.k_proj.weight": (cfg.kv_size, H),
-            p + "self_attn.v_proj.weight": (cfg.kv_size, H),
             p + "self_attn.o_proj.weight": (H, cfg.num_heads * D),
-            p + "mlp.gate_proj.weight": (I, H),
-            p + "mlp.up_proj.weight": (I, H),
             p + "mlp.down_proj.weight": (H, I),
         }
+        if cfg.fused:
+            shapes |= {p + "self_attn.qkv_proj.weight": (cfg.q_size + 2 * cfg.kv_size, H),
+                       p + "mlp.gate_up_proj.weight": (2 * I, H)}
+        else:
+            shapes |= {p + "self_attn.q_proj.weight": (cfg.q_size, H),
+                       p + "self_attn.k_proj.weight": (cfg.kv_size, H),
+                       p + "self_attn.v_proj.weight": (cfg.kv_size, H),
+                       p + "mlp.gate_proj.weight": (I, H),
+                       p + "mlp.up_proj.weight": (I, H)}
         if cfg.attention_bias:
             shapes |= {
                 p + "self_attn.q_proj.bias": (cfg.q_size,),

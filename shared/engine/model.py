@@ -128,8 +128,7 @@ class Model:
         L.o_b = w("self_attn.o_proj.bias") if cfg.o_bias else None
         L.q_norm, L.k_norm = ((w("self_attn.q_norm.weight"), w("self_attn.k_norm.weight"))
                               if cfg.qk_norm else (None, None))
-        L.gate_up_w = q8(torch.cat([w("mlp.gate_proj.weight"),
-                                   w("mlp.up_proj.weight")]).contiguous())
+        L.gate_up_w = q8(_gate_up(weights, p))
         L.down_w = q(w("mlp.down_proj.weight"))
         return L
 
@@ -273,8 +272,18 @@ class Model:
         return torch.bmm(p, vs.transpose(0, 1)).reshape(1, -1, D).to(q.dtype)
 
 
+def _gate_up(weights: dict, p: str) -> torch.Tensor:
+    """gate|up as one [2I, H] weight (Phi-3 stores it so)."""
+    if p + "mlp.gate_up_proj.weight" in weights:
+        return weights[p + "mlp.gate_up_proj.weight"]
+    return torch.cat([weights[p + "mlp.gate_proj.weight"],
+                      weights[p + "mlp.up_proj.weight"]]).contiguous()
+
+
 def _qkv(weights: dict, p: str) -> torch.Tensor:
-    """The fused q|k|v projection of layer prefix p: one GEMM."""
+    """The fused q|k|v projection of layer prefix p: one GEMM (Phi-3 stores it so)."""
+    if p + "self_attn.qkv_proj.weight" in weights:
+        return weights[p + "self_attn.qkv_proj.weight"]
     return torch.cat([weights[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]).contiguous()
 
 

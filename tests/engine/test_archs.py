@@ -61,6 +61,9 @@ CASES = {
     # attention_bias on Llama: q, k, v and o carry biases; MHA (GQA 1), untied
     "llama_bias": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=4,
                                        attention_bias=True, tie_word_embeddings=False)),
+    # q|k|v and gate|up stored fused; GQA 2
+    "phi3": ("Phi3Config", dict(num_attention_heads=4, num_key_value_heads=2,
+                                pad_token_id=0)),
     # a sliding window the prompts stay inside
     "mistral_window": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2,
                                              sliding_window=48)),
@@ -99,6 +102,9 @@ def test_a_sliding_window_bounds_what_a_request_may_hold(tmp_path):
     ("LlamaConfig", dict(mlp_bias=True), "mlp_bias"),
     ("LlamaConfig", dict(hidden_act="gelu"), "hidden_act"),
     ("Gemma2Config", dict(head_dim=16), "unsupported architecture"),
+    ("LlamaConfig", dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "partial_rotary_factor": 0.5}),
+     "partial_rotary_factor"),
 ])
 def test_what_the_forward_does_not_do_is_refused_by_name(tmp_path, cls, fields, named):
     path = checkpoint(tmp_path / "m", cls, **fields)
