@@ -12,17 +12,30 @@ from dataclasses import dataclass
 @dataclass(frozen=True, slots=True)
 class Arch:
     qkv_bias: bool = False     # q/k/v carry a bias whatever attention_bias says (Qwen2)
+    o_bias: bool = True        # attention_bias biases o_proj too (not Qwen2's, not GLM-4's)
     qk_norm: bool = False      # an RMSNorm over each head of q and of k before RoPE (Qwen3)
-    fused: bool = False        # q|k|v and gate|up stored as one tensor each (Phi-3)
+    fused_qkv: bool = False    # q|k|v stored as one qkv_proj tensor (Phi-3)
+    fused_gate_up: bool = False    # gate|up stored as one gate_up_proj tensor (Phi-3, GLM-4)
+    post_norms: bool = False   # an RMSNorm on the attention's and the MLP's outputs (GLM-4)
+    interleaved_rope: bool = False  # RoPE on pairs (2i, 2i+1) of the rotary part, which may
+    #                                 be a fraction of each head (GLM-4)
 
 
 ARCHS: dict[str, Arch] = {
     "LlamaForCausalLM": Arch(),
     "MistralForCausalLM": Arch(),
-    "Qwen2ForCausalLM": Arch(qkv_bias=True),
+    "Qwen2ForCausalLM": Arch(qkv_bias=True, o_bias=False),
     "Qwen3ForCausalLM": Arch(qk_norm=True),
-    "Phi3ForCausalLM": Arch(fused=True),
+    "Phi3ForCausalLM": Arch(fused_qkv=True, fused_gate_up=True),
+    "Glm4ForCausalLM": Arch(o_bias=False, fused_gate_up=True, post_norms=True,
+                            interleaved_rope=True),
 }
+
+
+def rotary_fraction(config: Mapping) -> float:
+    """The share of each head's dimensions RoPE turns (partial_rotary_factor)."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    return float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor")) or 1.0)
 
 
 def sliding_window(config: Mapping) -> int | None:
@@ -61,10 +74,7 @@ def refusals(config: Mapping, arch: str) -> list[str]:
         out.append(f"hidden_act={act!r} (the MLP is SiLU-gated)")
     if config.get("mlp_bias"):
         out.append("mlp_bias=true (the MLP projections carry no bias here)")
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor")) or 1.0
-    if partial != 1.0:
+    partial = rotary_fraction(config)
+    if partial != 1.0 and not ARCHS[arch].interleaved_rope:
         out.append(f"partial_rotary_factor={partial} (RoPE turns every dimension of a head)")
-    if config.get("attention_bias") and arch == "Qwen2ForCausalLM":
-        out.append("attention_bias=true on Qwen2 (an o_proj bias Qwen2 does not have)")
     return out

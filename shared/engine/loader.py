@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .archs import ARCHS, context_window, refusals
+from .archs import ARCHS, context_window, refusals, rotary_fraction
 
 
 class CheckpointError(ValueError):
@@ -45,7 +45,8 @@ class ModelConfig:
     hf_config: object  # the transformers config, for RoPE parameters
     o_bias: bool = False       # an o_proj bias (attention_bias on Llama, Mistral, Qwen3)
     qk_norm: bool = False      # Qwen3: RMSNorm over each q and k head before RoPE
-    fused: bool = False        # Phi-3: qkv_proj and gate_up_proj tensors
+    arch: object = None        # archs.Arch: what differs from Llama
+    rotary_dim: int = 0        # dimensions of a head RoPE turns (0: all)
     max_context: int = 0       # what a request may hold: the sliding window if shorter
 
     def __post_init__(self):
@@ -85,6 +86,7 @@ def load_config(path: str | Path) -> ModelConfig:
     spec = ARCHS[arch]
     biased = bool(getattr(hf, "attention_bias", False))
     num_heads = hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
     return ModelConfig(
         architecture=arch,
         vocab_size=hf.vocab_size,
@@ -93,15 +95,16 @@ def load_config(path: str | Path) -> ModelConfig:
         num_layers=hf.num_hidden_layers,
         num_heads=num_heads,
         num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
-        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // num_heads,
+        head_dim=head_dim,
         rms_norm_eps=hf.rms_norm_eps,
         max_position=hf.max_position_embeddings,
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         attention_bias=spec.qkv_bias or biased,
         hf_config=hf,
-        o_bias=biased and not spec.qkv_bias,
+        o_bias=biased and spec.o_bias,
         qk_norm=spec.qk_norm,
-        fused=spec.fused,
+        arch=spec,
+        rotary_dim=int(head_dim * rotary_fraction(d)),
         max_context=context_window(d) or hf.max_position_embeddings,
     )
 
@@ -123,15 +126,20 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attn.o_proj.weight": (H, cfg.num_heads * D),
             p + "mlp.down_proj.weight": (H, I),
         }
-        if cfg.fused:
-            shapes |= {p + "self_attn.qkv_proj.weight": (cfg.q_size + 2 * cfg.kv_size, H),
-                       p + "mlp.gate_up_proj.weight": (2 * I, H)}
+        a = cfg.arch or ARCHS["LlamaForCausalLM"]
+        if a.fused_qkv:
+            shapes[p + "self_attn.qkv_proj.weight"] = (cfg.q_size + 2 * cfg.kv_size, H)
         else:
             shapes |= {p + "self_attn.q_proj.weight": (cfg.q_size, H),
                        p + "self_attn.k_proj.weight": (cfg.kv_size, H),
-                       p + "self_attn.v_proj.weight": (cfg.kv_size, H),
-                       p + "mlp.gate_proj.weight": (I, H),
-                       p + "mlp.up_proj.weight": (I, H)}
+                       p + "self_attn.v_proj.weight": (cfg.kv_size, H)}
+        if a.fused_gate_up:
+            shapes[p + "mlp.gate_up_proj.weight"] = (2 * I, H)
+        else:
+            shapes |= {p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H)}
+        if a.post_norms:
+            shapes |= {p + "post_self_attn_layernorm.weight": (H,),
+                       p + "post_mlp_layernorm.weight": (H,)}
         if cfg.attention_bias:
             shapes |= {
                 p + "self_attn.q_proj.bias": (cfg.q_size,),

@@ -58,7 +58,7 @@ class BatchMeta:
 
 class Layer:
     __slots__ = ("ln1", "ln2", "qkv_w", "qkv_b", "o_w", "o_b", "q_norm", "k_norm", "gate_up_w",
-                 "down_w")
+                 "down_w", "post_attn", "post_mlp")
 
 
 class Model:
@@ -86,11 +86,10 @@ class Model:
         for i in range(cfg.num_layers):
             self.layers.append(self._layer(cfg, weights, f"model.layers.{i}.", quantize,
                                            act_int8))
-        cos, sin = rope_cos_sin(cfg, dtype)  # [max_position, D]
-        half = cfg.head_dim // 2
-        # rope(x) = x * cos + rot(x) * sin with rot(x) = [-x2, x1]: the sign folded into sin
-        self.cos = cos.to(self.device)
-        self.sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(self.device)
+        self.interleaved = bool(cfg.arch is not None and cfg.arch.interleaved_rope)
+        cos, sin = (interleaved_tables if self.interleaved else half_tables)(
+            *rope_cos_sin(cfg, dtype), cfg.head_dim)
+        self.cos, self.sin = cos.to(self.device), sin.to(self.device)     # [max_position, D]
         if smooth_ids and quantize and act_int8 and self.device.type == "cpu":
             self._smooth(weights, smooth_ids)
 
@@ -128,6 +127,9 @@ class Model:
         L.o_b = w("self_attn.o_proj.bias") if cfg.o_bias else None
         L.q_norm, L.k_norm = ((w("self_attn.q_norm.weight"), w("self_attn.k_norm.weight"))
                               if cfg.qk_norm else (None, None))
+        L.post_attn, L.post_mlp = ((w("post_self_attn_layernorm.weight"),
+                                    w("post_mlp_layernorm.weight"))
+                                   if p + "post_mlp_layernorm.weight" in weights else (None, None))
         L.gate_up_w = q8(_gate_up(weights, p))
         L.down_w = q(w("mlp.down_proj.weight"))
         return L
@@ -145,10 +147,12 @@ class Model:
         xf = F.rms_norm(x.float(), (x.shape[-1],), eps=self.cfg.rms_norm_eps)
         return w * xf.to(x.dtype)
 
-    @staticmethod
-    def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [T, heads, D]; cos/sin: [T, 1, D], sin with rot's sign folded in (__init__):
-        # the same products as x * cos + cat([-x2, x1]) * sin, one op fewer
+        # the same products as x * cos + cat([-x2, x1]) * sin, one op fewer; interleaved
+        # (GLM-4), rot pairs (2i, 2i+1) instead of halves
+        if self.interleaved:
+            return x * cos + x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2) * sin
         return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin
 
     @torch.inference_mode()
@@ -183,10 +187,12 @@ class Model:
             for ld in meta.loads:   # readiness guard: layer li of a prefix load has landed
                 ld.wait(li, meta.load_timeout_s)
             o = self.attention(q, k_cache, v_cache, meta, plan)      # [T, Hq, D]
-            h = h + linear(o.reshape(T, Hq * D), L.o_w, L.o_b)
+            o = linear(o.reshape(T, Hq * D), L.o_w, L.o_b)
+            h = h + (o if L.post_attn is None else self.rms_norm(o, L.post_attn))
             x = self.rms_norm(h, L.ln2)
             gate, up = linear(x, L.gate_up_w).chunk(2, dim=-1)
-            h = h + linear(F.silu(gate) * up, L.down_w)
+            m = linear(F.silu(gate) * up, L.down_w)
+            h = h + (m if L.post_mlp is None else self.rms_norm(m, L.post_mlp))
         rows = h if meta.logits_rows is None else h[meta.logits_rows]
         S = rows.shape[0]
         if meta.pad_logits_to > S:  # fixed lm_head shape: batch-invariant logits
@@ -270,6 +276,24 @@ class Model:
         qg = q.float().view(Hkv, -1, D)                            # [Hkv, G, D]
         p = torch.softmax(torch.bmm(qg, ks.permute(1, 2, 0)).mul_(self.scale), dim=-1)
         return torch.bmm(p, vs.transpose(0, 1)).reshape(1, -1, D).to(q.dtype)
+
+
+def half_tables(cos: torch.Tensor, sin: torch.Tensor, D: int):
+    """RoPE on halves (x1, x2): rot(x) = [-x2, x1], its sign folded into sin."""
+    half = D // 2
+    return cos, torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+
+
+def interleaved_tables(cos: torch.Tensor, sin: torch.Tensor, D: int):
+    """RoPE on pairs (x[2i], x[2i+1]) of the first R dims (R = cos's width, a fraction of
+    the head's D): frequency i for both of pair i, rot(x) = (-x[2i+1], x[2i]) with its sign
+    folded into sin; the other D - R dims pass unturned (cos 1, sin 0)."""
+    P, R = cos.shape
+    c = cos[:, :R // 2].repeat_interleave(2, dim=-1)
+    s = sin[:, :R // 2].repeat_interleave(2, dim=-1)
+    s = s * torch.tensor([-1.0, 1.0], dtype=s.dtype).repeat(R // 2)
+    return (torch.cat([c, c.new_ones(P, D - R)], dim=-1),
+            torch.cat([s, s.new_zeros(P, D - R)], dim=-1))
 
 
 def _gate_up(weights: dict, p: str) -> torch.Tensor:

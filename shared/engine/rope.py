@@ -13,7 +13,7 @@ def inv_freq_and_scaling(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
-        D = cfg.head_dim
+        D = cfg.rotary_dim or cfg.head_dim      # a partial rotary turns the first D only
         inv = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
         return inv, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -27,7 +27,8 @@ def inv_freq_and_scaling(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
 
 
 def rope_cos_sin(cfg: ModelConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [max_position, head_dim], in the model dtype (as transformers casts them)."""
+    """cos, sin: [max_position, rotary dims], in the model dtype (as transformers casts
+    them)."""
     inv, scaling = inv_freq_and_scaling(cfg)
     t = torch.arange(cfg.max_position, dtype=torch.float32)
     freqs = torch.outer(t, inv)                      # [P, D/2]

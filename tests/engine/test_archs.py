@@ -64,6 +64,10 @@ CASES = {
     # q|k|v and gate|up stored fused; GQA 2
     "phi3": ("Phi3Config", dict(num_attention_heads=4, num_key_value_heads=2,
                                 pad_token_id=0)),
+    # GLM-4: partial (half of each head), interleaved RoPE; post-norms; fused gate|up;
+    # q/k/v biases only
+    "glm4": ("Glm4Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                attention_bias=True, pad_token_id=0)),
     # a sliding window the prompts stay inside
     "mistral_window": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2,
                                              sliding_window=48)),
