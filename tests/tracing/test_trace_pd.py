@@ -99,7 +99,7 @@ async def test_one_pd_request_is_one_connected_trace_across_all_four_services(
     assert {service(s) for s in spans} == SERVICES
     for name in ("gateway submit", "decode submit", "decode reserve", "decode cache_lookup",
                  "kvstore lookup", "decode await_kv", "prefill job", "prefill queue",
-                 "prefill claim", "decode claim", "prefill compute", "prefill cache_lookup",
+                 "prefill claim", "decode claim", "prefill compute",
                  "prefill kv_transfer", "decode kv", "decode generate",
                  "kvstore put"):
         assert name in named, f"no '{name}' span in {sorted(named)}"
@@ -108,12 +108,13 @@ async def test_one_pd_request_is_one_connected_trace_across_all_four_services(
              ("decode await_kv", "decode submit"), ("decode generate", "decode submit"),
              ("prefill queue", "prefill job"), ("prefill claim", "prefill job"),
              ("decode claim", "prefill claim"), ("prefill compute", "prefill job"),
-             ("prefill cache_lookup", "prefill compute"), ("decode cache_lookup", "decode submit"),
+             ("decode cache_lookup", "decode submit"),
              ("prefill kv_transfer", "prefill job")}
     for child, want in edges:
         assert {parent(named, s) for s in named[child]} == {want}, (child, want)
-    assert {parent(named, s) for s in named["kvstore lookup"]} == {"decode cache_lookup",
-                                                                   "prefill cache_lookup"}
+    # kvstore is asked once, by decode: the job carries its answer to prefill
+    assert {parent(named, s) for s in named["kvstore lookup"]} == {"decode cache_lookup"}
+    assert "prefill cache_lookup" not in named and len(named["kvstore lookup"]) == 1
     assert {parent(named, s) for s in named["kvstore put"]} <= {"prefill job", "decode generate"}
     # KV writes: from the transfer, or (layer-wise streaming) while the prompt computes
     assert {parent(named, s) for s in named["decode kv"]} <= {"prefill kv_transfer",
