@@ -16,9 +16,19 @@ class Arch:
     qk_norm: bool = False      # an RMSNorm over each head of q and of k before RoPE (Qwen3)
     fused_qkv: bool = False    # q|k|v stored as one qkv_proj tensor (Phi-3)
     fused_gate_up: bool = False    # gate|up stored as one gate_up_proj tensor (Phi-3, GLM-4)
-    post_norms: bool = False   # an RMSNorm on the attention's and the MLP's outputs (GLM-4)
+    # the layer's norms by tensor name: before attention, on attention's output (or None),
+    # before the MLP, on the MLP's output (or None)
+    norms: tuple = ("input_layernorm", None, "post_attention_layernorm", None)
     interleaved_rope: bool = False  # RoPE on pairs (2i, 2i+1) of the rotary part, which may
     #                                 be a fraction of each head (GLM-4)
+    gemma: bool = False        # RMSNorm scales by (1 + w) in float32; embeddings scaled by
+    #                            sqrt(hidden); the MLP's activation is hidden_activation
+
+
+GLM4_NORMS = ("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm",
+              "post_mlp_layernorm")
+GEMMA_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+               "post_feedforward_layernorm")
 
 
 ARCHS: dict[str, Arch] = {
@@ -27,9 +37,37 @@ ARCHS: dict[str, Arch] = {
     "Qwen2ForCausalLM": Arch(qkv_bias=True, o_bias=False),
     "Qwen3ForCausalLM": Arch(qk_norm=True),
     "Phi3ForCausalLM": Arch(fused_qkv=True, fused_gate_up=True),
-    "Glm4ForCausalLM": Arch(o_bias=False, fused_gate_up=True, post_norms=True,
+    "Glm4ForCausalLM": Arch(o_bias=False, fused_gate_up=True, norms=GLM4_NORMS,
                             interleaved_rope=True),
+    # soft-capped attention and final logits, local/global layers, query_pre_attn_scalar
+    "Gemma2ForCausalLM": Arch(norms=GEMMA_NORMS, gemma=True),
+    # + q/k norm, a RoPE base per layer type
+    "Gemma3ForCausalLM": Arch(norms=GEMMA_NORMS, gemma=True, qk_norm=True),
 }
+# the activations the MLP computes (transformers' ACT2FN names), as torch's gelu calls them
+ACTIVATIONS = {"silu": None, "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu": "none"}
+
+
+def activation(config: Mapping) -> str:
+    """The MLP's gate activation: Gemma's hidden_activation, else hidden_act."""
+    return config.get("hidden_activation") or config.get("hidden_act") or "silu"
+
+
+def layer_windows(config: Mapping, num_layers: int) -> tuple[int, ...]:
+    """Each layer's attention window (0: the whole context). A key at position k is seen
+    from position q when q - window < k <= q (transformers' sliding_window_overlay).
+    layer_types names each layer (Gemma 2/3, Qwen2/3 since transformers 5); without it
+    every layer slides when sliding_window applies (Mistral)."""
+    window = int(config.get("sliding_window") or 0)
+    layer_types = config.get("layer_types")
+    if not window:
+        return (0,) * num_layers
+    if layer_types is not None:
+        return tuple(window if t == "sliding_attention" else 0 for t in layer_types)
+    if "use_sliding_window" in config and not config["use_sliding_window"]:
+        return (0,) * num_layers
+    return (window,) * num_layers
+
 
 
 def rotary_fraction(config: Mapping) -> float:
@@ -38,40 +76,23 @@ def rotary_fraction(config: Mapping) -> float:
     return float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor")) or 1.0)
 
 
-def sliding_window(config: Mapping) -> int | None:
-    """The attention window some layer keeps, or None when every layer attends to the whole
-    context: Mistral's sliding_window; for Qwen2/Qwen3, sliding_window where layer_types
-    (or use_sliding_window) turns it on."""
-    window = config.get("sliding_window")
-    if not window:
-        return None
-    layer_types = config.get("layer_types")
-    if layer_types is not None:
-        return int(window) if "sliding_attention" in layer_types else None
-    if "use_sliding_window" in config:
-        return int(window) if config["use_sliding_window"] else None
-    return int(window)
-
-
 def context_window(config: Mapping) -> int | None:
-    """How many tokens a request may hold: max_position_embeddings, or the sliding window
-    when one applies and is shorter. Inside the window, sliding and full attention are the
-    same computation; the engine serves no request that could pass it (as vLLM does for a
-    model whose sliding window it does not implement)."""
+    """How many tokens a request may hold: max_position_embeddings (a multimodal config's
+    text_config's). A sliding-window layer attends its own window (layer_windows), so the
+    window bounds no request."""
     text = config.get("text_config") or {}
     window = config.get("max_position_embeddings") or text.get("max_position_embeddings")
-    slide = sliding_window(config) or sliding_window(text)
-    if window and slide:
-        return min(int(window), slide)
-    return int(window) if window else slide
+    return int(window) if window else None
 
 
 def refusals(config: Mapping, arch: str) -> list[str]:
     """The fields of config this engine cannot honour, each with why."""
     out = []
-    act = config.get("hidden_act", "silu")
-    if act != "silu":
-        out.append(f"hidden_act={act!r} (the MLP is SiLU-gated)")
+    act = activation(config)
+    if act not in ACTIVATIONS:
+        out.append(f"hidden_act={act!r} (the MLP's gate is one of {sorted(ACTIVATIONS)})")
+    if config.get("use_bidirectional_attention"):
+        out.append("use_bidirectional_attention=true (an encoder's mask; this engine is causal)")
     if config.get("mlp_bias"):
         out.append("mlp_bias=true (the MLP projections carry no bias here)")
     partial = rotary_fraction(config)

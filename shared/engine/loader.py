@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .archs import ARCHS, context_window, refusals, rotary_fraction
+from .archs import ARCHS, activation, context_window, layer_windows, refusals, rotary_fraction
 
 
 class CheckpointError(ValueError):
@@ -47,7 +47,12 @@ class ModelConfig:
     qk_norm: bool = False      # Qwen3: RMSNorm over each q and k head before RoPE
     arch: object = None        # archs.Arch: what differs from Llama
     rotary_dim: int = 0        # dimensions of a head RoPE turns (0: all)
-    max_context: int = 0       # what a request may hold: the sliding window if shorter
+    max_context: int = 0       # what a request may hold (max_position_embeddings)
+    layer_windows: tuple = ()  # each layer's sliding window, 0 for the whole context
+    act: str = "silu"          # the MLP's gate activation (archs.ACTIVATIONS)
+    attn_scale: float = 0.0    # q.k scale (Gemma: query_pre_attn_scalar ** -0.5); 0: D ** -0.5
+    attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) before softmax (Gemma 2)
+    final_softcap: float = 0.0  # the same on the final logits (Gemma 2)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -106,6 +111,12 @@ def load_config(path: str | Path) -> ModelConfig:
         arch=spec,
         rotary_dim=int(head_dim * rotary_fraction(d)),
         max_context=context_window(d) or hf.max_position_embeddings,
+        layer_windows=layer_windows(d, hf.num_hidden_layers),
+        act=activation(d),
+        attn_scale=(d["query_pre_attn_scalar"] ** -0.5 if d.get("query_pre_attn_scalar")
+                    else 0.0),
+        attn_softcap=float(d.get("attn_logit_softcapping") or 0.0),
+        final_softcap=float(d.get("final_logit_softcapping") or 0.0),
     )
 
 
@@ -120,13 +131,12 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (cfg.vocab_size, H)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
+        a = cfg.arch or ARCHS["LlamaForCausalLM"]
+        shapes |= {p + f"{n}.weight": (H,) for n in a.norms if n}
         shapes |= {
-            p + "input_layernorm.weight": (H,),
-            p + "post_attention_layernorm.weight": (H,),
             p + "self_attn.o_proj.weight": (H, cfg.num_heads * D),
             p + "mlp.down_proj.weight": (H, I),
         }
-        a = cfg.arch or ARCHS["LlamaForCausalLM"]
         if a.fused_qkv:
             shapes[p + "self_attn.qkv_proj.weight"] = (cfg.q_size + 2 * cfg.kv_size, H)
         else:
@@ -137,9 +147,6 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "mlp.gate_up_proj.weight"] = (2 * I, H)
         else:
             shapes |= {p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H)}
-        if a.post_norms:
-            shapes |= {p + "post_self_attn_layernorm.weight": (H,),
-                       p + "post_mlp_layernorm.weight": (H,)}
         if cfg.attention_bias:
             shapes |= {
                 p + "self_attn.q_proj.bias": (cfg.q_size,),

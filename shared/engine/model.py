@@ -1,4 +1,4 @@
-"""Llama/Qwen2-family forward pass over a paged KV pool.
+"""The one forward pass (Llama and the families archs.py describes) over a paged KV pool.
 
 One forward takes a flat batch of T token rows drawn from several sequences (prefill
 chunks and decode tokens mixed), writes each row's K/V into its slot, and attends each
@@ -24,7 +24,9 @@ from kernels.paged_attention import paged_attention_decode, plan_decode
 
 from .head import SplitHead
 from .loader import ModelConfig, load_weights
+from .masked_attention import attend_rows, table_slots
 from .quant import quantize_weight, weight_nbytes
+from .archs import ACTIVATIONS
 from .rope import rope_cos_sin
 from .smooth import CALIBRATION_TOKENS, Observed, SmoothedWeight, smoothing
 
@@ -58,7 +60,7 @@ class BatchMeta:
 
 class Layer:
     __slots__ = ("ln1", "ln2", "qkv_w", "qkv_b", "o_w", "o_b", "q_norm", "k_norm", "gate_up_w",
-                 "down_w", "post_attn", "post_mlp")
+                 "down_w", "post_attn", "post_mlp", "window", "rope")
 
 
 class Model:
@@ -72,10 +74,12 @@ class Model:
         for SmoothQuant, which puts q|k|v and down on W8A8 too (smooth.py)."""
         self.cfg = cfg
         self.dtype = dtype
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.attn_scale or cfg.head_dim ** -0.5
+        self.gemma = bool(cfg.arch is not None and cfg.arch.gemma)
         self.embed = weights["model.embed_tokens.weight"]
         self.device = self.embed.device
-        self.norm = weights["model.norm.weight"]
+        self.norm = self._norm_weight(weights["model.norm.weight"])
+        self.gelu = ACTIVATIONS.get(cfg.act)      # None: SiLU; else torch's gelu approximate
         head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
         qh = lambda t: quantize_weight(t, quantize, head=True, a8=act_int8)  # noqa: E731
         self.lm_head = SplitHead(head, qh) if head_split and quantize else qh(head)
@@ -87,9 +91,14 @@ class Model:
             self.layers.append(self._layer(cfg, weights, f"model.layers.{i}.", quantize,
                                            act_int8))
         self.interleaved = bool(cfg.arch is not None and cfg.arch.interleaved_rope)
-        cos, sin = (interleaved_tables if self.interleaved else half_tables)(
-            *rope_cos_sin(cfg, dtype), cfg.head_dim)
-        self.cos, self.sin = cos.to(self.device), sin.to(self.device)     # [max_position, D]
+        # RoPE tables by layer type (Gemma 3 gives sliding layers their own base), each
+        # [max_position, D]
+        self.tables = {}
+        for L in self.layers:
+            if L.rope not in self.tables:
+                cos, sin = (interleaved_tables if self.interleaved else half_tables)(
+                    *rope_cos_sin(cfg, dtype, L.rope), cfg.head_dim)
+                self.tables[L.rope] = cos.to(self.device), sin.to(self.device)
         if smooth_ids and quantize and act_int8 and self.device.type == "cpu":
             self._smooth(weights, smooth_ids)
 
@@ -109,8 +118,11 @@ class Model:
                 seen = getattr(L, attr)
                 setattr(L, attr, SmoothedWeight(seen.base, w, smoothing(w, seen.amax)))
 
-    @staticmethod
-    def _layer(cfg: ModelConfig, weights: dict, p: str, quantize: str, a8: bool) -> Layer:
+    def _norm_weight(self, w: torch.Tensor) -> torch.Tensor:
+        """Gemma's RMSNorm scales by (1 + w), in float32: kept so (rms_norm)."""
+        return 1.0 + w.float() if self.gemma else w
+
+    def _layer(self, cfg: ModelConfig, weights: dict, p: str, quantize: str, a8: bool) -> Layer:
         """a8 (act_int8) only where 8-bit rows cost nothing measurable: the inputs of q|k|v
         and of down carry outlier channels (SmolLM2 int4, prose perplexity 14.29: +0.37
         and +0.22 with theirs on int8, +0.00 for o and gate|up, +0.09 for the head)."""
@@ -118,18 +130,21 @@ class Model:
         q = lambda t: quantize_weight(t, quantize)  # noqa: E731
         q8 = lambda t: quantize_weight(t, quantize, a8=a8)  # noqa: E731
         L = Layer()
-        L.ln1, L.ln2 = w("input_layernorm.weight"), w("post_attention_layernorm.weight")
+        norms = (cfg.arch.norms if cfg.arch is not None
+                 else ("input_layernorm", None, "post_attention_layernorm", None))
+        L.ln1, L.post_attn, L.ln2, L.post_mlp = (
+            self._norm_weight(w(n + ".weight")) if n else None for n in norms)
+        L.window = cfg.layer_windows[int(p.split(".")[2])] if cfg.layer_windows else 0
+        L.rope = "sliding_attention" if L.window else "full_attention"
         # fused projections: one GEMM for q|k|v and one for gate|up
         L.qkv_w = q(_qkv(weights, p))
         L.qkv_b = (torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"),
                               w("self_attn.v_proj.bias")]) if cfg.attention_bias else None)
         L.o_w = q8(w("self_attn.o_proj.weight"))
         L.o_b = w("self_attn.o_proj.bias") if cfg.o_bias else None
-        L.q_norm, L.k_norm = ((w("self_attn.q_norm.weight"), w("self_attn.k_norm.weight"))
+        L.q_norm, L.k_norm = ((self._norm_weight(w("self_attn.q_norm.weight")),
+                               self._norm_weight(w("self_attn.k_norm.weight")))
                               if cfg.qk_norm else (None, None))
-        L.post_attn, L.post_mlp = ((w("post_self_attn_layernorm.weight"),
-                                    w("post_mlp_layernorm.weight"))
-                                   if p + "post_mlp_layernorm.weight" in weights else (None, None))
         L.gate_up_w = q8(_gate_up(weights, p))
         L.down_w = q(w("mlp.down_proj.weight"))
         return L
@@ -139,13 +154,15 @@ class Model:
         """Bytes of weights one decode step reads: every layer, the final norm and the
         LM head (an untied embedding table is only indexed, one row per token)."""
         tensors = [self.norm, self.lm_head] + [
-            getattr(L, a) for L in self.layers for a in Layer.__slots__]
+            getattr(L, a) for L in self.layers for a in Layer.__slots__
+            if a not in ("window", "rope")]
         return sum(weight_nbytes(t) for t in tensors)
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # float32 math, then back to the model dtype (as transformers does)
+        # float32 math, then back to the model dtype (as transformers does); Gemma scales
+        # in float32 too, by its (1 + w) (_norm_weight)
         xf = F.rms_norm(x.float(), (x.shape[-1],), eps=self.cfg.rms_norm_eps)
-        return w * xf.to(x.dtype)
+        return (xf * w).to(x.dtype) if self.gemma else w * xf.to(x.dtype)
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [T, heads, D]; cos/sin: [T, 1, D], sin with rot's sign folded in (__init__):
@@ -166,8 +183,10 @@ class Model:
         T = input_ids.shape[0]
         Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = F.embedding(input_ids, self.embed)                       # [T, H]
-        cos = self.cos[meta.positions].unsqueeze(1)                 # [T, 1, D]
-        sin = self.sin[meta.positions].unsqueeze(1)
+        if self.gemma:      # embeddings scaled by sqrt(hidden), in the model dtype
+            h = h * torch.tensor(cfg.hidden_size ** 0.5, dtype=h.dtype)
+        rot = {k: (c[meta.positions].unsqueeze(1), s[meta.positions].unsqueeze(1))
+               for k, (c, s) in self.tables.items()}                 # [T, 1, D] each
         slots = plan_slots(meta.slot_mapping)      # shared by every layer's KV write
         plan = self._decode_plan(meta, kv)
         for li, L in enumerate(self.layers):
@@ -177,7 +196,7 @@ class Model:
             if L.q_norm is not None:                                 # Qwen3: per head
                 qk = torch.cat([self.rms_norm(qk[:, :Hq], L.q_norm),
                                 self.rms_norm(qk[:, Hq:], L.k_norm)], dim=1)
-            qk = self.rope(qk, cos, sin)
+            qk = self.rope(qk, *rot[L.rope])
             q, k = qk[:, :Hq], qk[:, Hq:]
             v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
             k_cache, v_cache = kv[li, 0], kv[li, 1]
@@ -186,18 +205,24 @@ class Model:
                 self.layer_listener(li, meta)
             for ld in meta.loads:   # readiness guard: layer li of a prefix load has landed
                 ld.wait(li, meta.load_timeout_s)
-            o = self.attention(q, k_cache, v_cache, meta, plan)      # [T, Hq, D]
+            if L.window or cfg.attn_softcap:
+                o = self.masked_attention(q, k_cache, v_cache, meta, L.window)
+            else:
+                o = self.attention(q, k_cache, v_cache, meta, plan)  # [T, Hq, D]
             o = linear(o.reshape(T, Hq * D), L.o_w, L.o_b)
             h = h + (o if L.post_attn is None else self.rms_norm(o, L.post_attn))
             x = self.rms_norm(h, L.ln2)
             gate, up = linear(x, L.gate_up_w).chunk(2, dim=-1)
-            m = linear(F.silu(gate) * up, L.down_w)
+            gate = F.silu(gate) if self.gelu is None else F.gelu(gate, approximate=self.gelu)
+            m = linear(gate * up, L.down_w)
             h = h + (m if L.post_mlp is None else self.rms_norm(m, L.post_mlp))
         rows = h if meta.logits_rows is None else h[meta.logits_rows]
         S = rows.shape[0]
         if meta.pad_logits_to > S:  # fixed lm_head shape: batch-invariant logits
             rows = torch.cat([rows, rows.new_zeros(meta.pad_logits_to - S, rows.shape[1])])
         logits = linear(self.rms_norm(rows, self.norm), self.lm_head)[:S].float().cpu()
+        if cfg.final_softcap:       # Gemma 2: logits soft-capped
+            logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return logits
 
     @staticmethod
@@ -224,6 +249,29 @@ class Model:
             out[:nd] = od
         for s in meta.spans:
             out[s.start:s.start + s.n] = self._span(q, kf, vf, s)
+        return out
+
+    def masked_attention(self, q, k_cache, v_cache, meta: BatchMeta, window: int):
+        """A sliding-window or soft-capped layer's attention (masked_attention.py): every
+        decode row, and every row of a deterministic-mode span, alone."""
+        Hkv, D = self.cfg.num_kv_heads, self.cfg.head_dim
+        kf, vf = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)
+        att = lambda rows, slots, ctx: attend_rows(  # noqa: E731
+            rows, kf, vf, slots, ctx, self.scale, window, self.cfg.attn_softcap)
+        out = torch.zeros_like(q)
+        for b in range(meta.num_decode):
+            ctx = int(meta.context_lens[b])
+            out[b:b + 1] = att(q[b:b + 1], table_slots(meta.block_tables[b], ctx,
+                                                       k_cache.shape[1]), ctx)
+        for s in meta.spans:
+            if s.rowwise:
+                first = s.context_len - s.n
+                for i in range(s.n):
+                    r = s.start + i
+                    out[r:r + 1] = att(q[r:r + 1], s.ctx_slots, first + i + 1)
+            else:
+                out[s.start:s.start + s.n] = att(q[s.start:s.start + s.n], s.ctx_slots,
+                                                 s.context_len)
         return out
 
     def _span(self, q, kf, vf, s: SeqSpan) -> torch.Tensor:

@@ -1,7 +1,8 @@
-"""An architecture other than Llama over the whole mesh: a tiny random GLM-4 checkpoint
-(partial interleaved RoPE, post-norms, q/k/v biases, fused gate|up; the family of the
-deployments this project exists to fix), written by transformers' own class with the tiny
-model's tokenizer beside it. PD == colocated == the engine alone, token for token
+"""Architectures other than Llama over the whole mesh: tiny random GLM-4 (partial
+interleaved RoPE, post-norms, q/k/v biases, fused gate|up; the family of the deployments
+this project exists to fix) and Gemma 2 (local/global layers with a window the prompts
+pass, soft-capped scores and logits) checkpoints, written by transformers' own classes with
+the tiny model's tokenizer beside them. PD == colocated == the engine alone, token for token
 (deterministic mode), greedy and seeded sampling: the KV wire's shapes come from the config,
 and prefill's KV is the KV decode would have computed."""
 from __future__ import annotations
@@ -20,25 +21,34 @@ from .conftest import DET, det_overrides, reference_engine
 from .helpers import complete, micro_stats
 
 
-@pytest.fixture(scope="module")
-def glm4(tiny_target, tmp_path_factory):
+SHAPES = {
+    "glm4": ("Glm4Config", dict(head_dim=16, attention_bias=True)),
+    "gemma2": ("Gemma2Config", dict(head_dim=32, sliding_window=4, query_pre_attn_scalar=24,
+                                    attn_logit_softcapping=1.5, final_logit_softcapping=4.0)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def model(request, tiny_target, tmp_path_factory):
     # named as the tiny model, which the helpers ask for by name
-    path = checkpoint(tmp_path_factory.mktemp("glm4") / "tiny-target", "Glm4Config",
-                      vocab_size=8192, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      attention_bias=True, pad_token_id=0, max_position_embeddings=2048)
+    cls, fields = SHAPES[request.param]
+    path = checkpoint(tmp_path_factory.mktemp(request.param) / "tiny-target", cls,
+                      vocab_size=8192, num_attention_heads=4, num_key_value_heads=2,
+                      pad_token_id=0, max_position_embeddings=2048, **fields)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny_target / f, path / f)
     return path
 
 
-def test_glm4_pd_equals_colocated_equals_engine(glm4, tiny_prompts):
-    eng = reference_engine(glm4)
+def test_pd_equals_colocated_equals_engine(model, tiny_prompts):
+    assert min(len(p) for p in tiny_prompts[:6]) > 4       # past Gemma's window
+    eng = reference_engine(model)
     todo = [(p, dict(temperature=0.0, max_tokens=16) if i % 2 == 0 else
              dict(temperature=0.8, top_p=0.95, seed=i, max_tokens=16))
             for i, p in enumerate(tiny_prompts[:6])]
     want = [eng.generate([p], SamplingParams(ignore_eos=True, **kw))[0]["token_ids"]
             for p, kw in todo]
-    with Cluster(str(glm4), prefill=1, decode=1, **DET, overrides=det_overrides(),
+    with Cluster(str(model), prefill=1, decode=1, **DET, overrides=det_overrides(),
                  echo=False) as c:
         async def run():
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(120)) as http:

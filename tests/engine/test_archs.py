@@ -68,9 +68,22 @@ CASES = {
     # q/k/v biases only
     "glm4": ("Glm4Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                 attention_bias=True, pad_token_id=0)),
-    # a sliding window the prompts stay inside
+    # every layer slides, over a window the prompts pass
     "mistral_window": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2,
-                                             sliding_window=48)),
+                                             sliding_window=8)),
+    # local/global layers, soft-capped scores and logits (caps low enough to bite),
+    # query_pre_attn_scalar, (1 + w) norms before and after attention and MLP, scaled
+    # embeddings, gelu-tanh; head_dim 32, GQA 2, tied
+    "gemma2": ("Gemma2Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                    sliding_window=6, query_pre_attn_scalar=24,
+                                    attn_logit_softcapping=1.5, final_logit_softcapping=4.0,
+                                    pad_token_id=0)),
+    # + q/k norms, a RoPE base per layer type; sliding first, then global; head_dim 64, MHA
+    "gemma3": ("Gemma3TextConfig", dict(
+        num_attention_heads=2, num_key_value_heads=2, head_dim=64, sliding_window=7,
+        layer_types=["sliding_attention", "full_attention"], pad_token_id=0,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1e6}})),
 }
 
 
@@ -90,22 +103,33 @@ def test_greedy_tokens_and_logits_equal_transformers(case):
         assert greedy(eng, ids, 32) == hf_greedy(ref, ids, 32), name
 
 
-def test_a_sliding_window_bounds_what_a_request_may_hold(tmp_path):
-    """Inside its window a sliding-window layer is full attention; no request may pass it
-    (before, Mistral was served with full attention past the window: different output)."""
+def test_a_sliding_window_is_honoured_past_the_window(tmp_path):
+    """Past its window a sliding layer sees only the window: a prompt twice the window
+    equals transformers, and the same engine with the window off (as the engine was before:
+    full attention, or the request refused) does not, so the case tests the window."""
+    import dataclasses
+
     path = checkpoint(tmp_path / "m", "MistralConfig", num_attention_heads=4,
-                      num_key_value_heads=2, sliding_window=48)
-    eng = engine(path)
-    assert eng.max_model_len == 48 and load_config(path).max_context == 48
-    with pytest.raises(ValueError):
-        eng.check_request(list(range(3, 43)), SamplingParams(max_tokens=16))
-    eng.check_request(list(range(3, 33)), SamplingParams(max_tokens=16))
+                      num_key_value_heads=2, sliding_window=8)
+    ref, eng = hf_model(path, "cpu"), engine(path)
+    assert eng.max_model_len == 256 and eng.model_cfg.layer_windows == (8, 8)
+    ids = list(range(3, 19))
+    assert greedy(eng, ids, 24) == hf_greedy(ref, ids, 24)
+    assert (engine_logits(eng, ids) - hf_logits(ref, ids)).abs().max() <= LOGIT_ATOL
+    for L in eng.model.layers:
+        L.window = 0
+    assert (engine_logits(eng, ids) - hf_logits(ref, ids)).abs().max() > 100 * LOGIT_ATOL
+    assert dataclasses.replace(eng.model_cfg, layer_windows=()).layer_windows == ()
 
 
 @pytest.mark.parametrize("cls,fields,named", [
     ("LlamaConfig", dict(mlp_bias=True), "mlp_bias"),
-    ("LlamaConfig", dict(hidden_act="gelu"), "hidden_act"),
-    ("Gemma2Config", dict(head_dim=16), "unsupported architecture"),
+    ("LlamaConfig", dict(hidden_act="relu"), "hidden_act"),
+    ("Qwen3MoeConfig", dict(num_attention_heads=4, num_key_value_heads=2,
+                            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+     "unsupported architecture"),
+    ("Gemma3TextConfig", dict(head_dim=16, use_bidirectional_attention=True),
+     "use_bidirectional_attention"),
     ("LlamaConfig", dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                           "partial_rotary_factor": 0.5}),
      "partial_rotary_factor"),
