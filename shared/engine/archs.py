@@ -23,6 +23,8 @@ class Arch:
     #                                 be a fraction of each head (GLM-4)
     gemma: bool = False        # RMSNorm scales by (1 + w) in float32; embeddings scaled by
     #                            sqrt(hidden); the MLP's activation is hidden_activation
+    moe: bool = False          # sparse layers: a router picks num_experts_per_tok experts
+    #                            per token (Qwen3-MoE: softmax, top-k, norm_topk_prob)
 
 
 GLM4_NORMS = ("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm",
@@ -43,6 +45,7 @@ ARCHS: dict[str, Arch] = {
     "Gemma2ForCausalLM": Arch(norms=GEMMA_NORMS, gemma=True),
     # + q/k norm, a RoPE base per layer type
     "Gemma3ForCausalLM": Arch(norms=GEMMA_NORMS, gemma=True, qk_norm=True),
+    "Qwen3MoeForCausalLM": Arch(qk_norm=True, moe=True),
 }
 # the activations the MLP computes (transformers' ACT2FN names), as torch's gelu calls them
 ACTIVATIONS = {"silu": None, "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu": "none"}
@@ -76,6 +79,16 @@ def rotary_fraction(config: Mapping) -> float:
     return float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor")) or 1.0)
 
 
+def moe_layers(config: Mapping, num_layers: int) -> tuple[bool, ...]:
+    """Which layers route to experts (Qwen3-MoE): every decoder_sparse_step-th one not in
+    mlp_only_layers, when the config has experts."""
+    experts = config.get("num_experts") or config.get("num_local_experts") or 0
+    step = config.get("decoder_sparse_step") or 1
+    dense = set(config.get("mlp_only_layers") or ())
+    return tuple(bool(experts) and i not in dense and (i + 1) % step == 0
+                 for i in range(num_layers))
+
+
 def context_window(config: Mapping) -> int | None:
     """How many tokens a request may hold: max_position_embeddings (a multimodal config's
     text_config's). A sliding-window layer attends its own window (layer_windows), so the
@@ -91,6 +104,9 @@ def refusals(config: Mapping, arch: str) -> list[str]:
     act = activation(config)
     if act not in ACTIVATIONS:
         out.append(f"hidden_act={act!r} (the MLP's gate is one of {sorted(ACTIVATIONS)})")
+    if arch.endswith("MoeForCausalLM") and (config.get("shared_expert_intermediate_size")
+                                            or config.get("n_shared_experts")):
+        out.append("shared experts (a dense expert beside the routed ones)")
     if config.get("use_bidirectional_attention"):
         out.append("use_bidirectional_attention=true (an encoder's mask; this engine is causal)")
     if config.get("mlp_bias"):

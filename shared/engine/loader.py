@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .archs import ARCHS, activation, context_window, layer_windows, refusals, rotary_fraction
+from .archs import (ARCHS, activation, context_window, layer_windows, moe_layers, refusals,
+                    rotary_fraction)
 
 
 class CheckpointError(ValueError):
@@ -53,6 +54,11 @@ class ModelConfig:
     attn_scale: float = 0.0    # q.k scale (Gemma: query_pre_attn_scalar ** -0.5); 0: D ** -0.5
     attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) before softmax (Gemma 2)
     final_softcap: float = 0.0  # the same on the final logits (Gemma 2)
+    moe_layers: tuple = ()     # which layers route to experts (archs.moe_layers)
+    num_experts: int = 0
+    experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False   # the top-k routing weights renormalised to sum to 1
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -117,11 +123,20 @@ def load_config(path: str | Path) -> ModelConfig:
                     else 0.0),
         attn_softcap=float(d.get("attn_logit_softcapping") or 0.0),
         final_softcap=float(d.get("final_logit_softcapping") or 0.0),
+        moe_layers=moe_layers(d, hf.num_hidden_layers) if spec.moe else (),
+        num_experts=int(d.get("num_experts") or d.get("num_local_experts") or 0)
+        if spec.moe else 0,
+        experts_per_tok=int(d.get("num_experts_per_tok") or 0) if spec.moe else 0,
+        moe_intermediate_size=int(d.get("moe_intermediate_size") or 0) if spec.moe else 0,
+        norm_topk_prob=bool(d.get("norm_topk_prob")),
     )
 
 
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the forward reads, with its shape."""
+def expected_shapes(cfg: ModelConfig, fused_experts: bool = False
+                    ) -> dict[str, tuple[int, ...]]:
+    """Every tensor the forward reads, with its shape. fused_experts: a MoE layer's experts
+    as two [E, ...] tensors (how transformers 5 saves them) rather than one set per
+    expert (the Hub's Qwen3-MoE checkpoints)."""
     H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (cfg.vocab_size, H),
@@ -133,20 +148,21 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{i}."
         a = cfg.arch or ARCHS["LlamaForCausalLM"]
         shapes |= {p + f"{n}.weight": (H,) for n in a.norms if n}
-        shapes |= {
-            p + "self_attn.o_proj.weight": (H, cfg.num_heads * D),
-            p + "mlp.down_proj.weight": (H, I),
-        }
+        shapes[p + "self_attn.o_proj.weight"] = (H, cfg.num_heads * D)
+        if cfg.moe_layers and cfg.moe_layers[i]:
+            shapes |= _expert_shapes(cfg, p, fused_experts)
+        elif a.fused_gate_up:
+            shapes[p + "mlp.gate_up_proj.weight"] = (2 * I, H)
+        else:
+            shapes |= {p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H)}
+        if not (cfg.moe_layers and cfg.moe_layers[i]):
+            shapes[p + "mlp.down_proj.weight"] = (H, I)
         if a.fused_qkv:
             shapes[p + "self_attn.qkv_proj.weight"] = (cfg.q_size + 2 * cfg.kv_size, H)
         else:
             shapes |= {p + "self_attn.q_proj.weight": (cfg.q_size, H),
                        p + "self_attn.k_proj.weight": (cfg.kv_size, H),
                        p + "self_attn.v_proj.weight": (cfg.kv_size, H)}
-        if a.fused_gate_up:
-            shapes[p + "mlp.gate_up_proj.weight"] = (2 * I, H)
-        else:
-            shapes |= {p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H)}
         if cfg.attention_bias:
             shapes |= {
                 p + "self_attn.q_proj.bias": (cfg.q_size,),
@@ -158,6 +174,24 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)}
     return shapes
+
+
+def _expert_shapes(cfg: ModelConfig, p: str, fused: bool) -> dict[str, tuple[int, ...]]:
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    shapes = {p + "mlp.gate.weight": (E, H)}
+    if fused:
+        return shapes | {p + "mlp.experts.gate_up_proj": (E, 2 * I, H),
+                         p + "mlp.experts.down_proj": (E, H, I)}
+    for e in range(E):
+        x = f"{p}mlp.experts.{e}."
+        shapes |= {x + "gate_proj.weight": (I, H), x + "up_proj.weight": (I, H),
+                   x + "down_proj.weight": (H, I)}
+    return shapes
+
+
+def _names(f: Path) -> list[str]:
+    with safe_open(str(f), framework="pt") as st:
+        return list(st.keys())
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -177,10 +211,12 @@ def _weight_files(path: Path) -> list[Path]:
 def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
                  device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     path = Path(path)
-    want = expected_shapes(cfg)
+    files = _weight_files(path)
+    want = expected_shapes(cfg, fused_experts=bool(cfg.moe_layers) and any(
+        n.endswith("mlp.experts.gate_up_proj") for f in files for n in _names(f)))
     got: dict[str, torch.Tensor] = {}
     unread: list[str] = []
-    for f in _weight_files(path):
+    for f in files:
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
                 if name in want:

@@ -60,7 +60,7 @@ class BatchMeta:
 
 class Layer:
     __slots__ = ("ln1", "ln2", "qkv_w", "qkv_b", "o_w", "o_b", "q_norm", "k_norm", "gate_up_w",
-                 "down_w", "post_attn", "post_mlp", "window", "rope")
+                 "down_w", "post_attn", "post_mlp", "router", "experts", "window", "rope")
 
 
 class Model:
@@ -106,7 +106,9 @@ class Model:
         """SmoothQuant for q|k|v and down: forwards over `ids` record each one's
         per-channel max|x|, then each becomes a SmoothedWeight over its own base."""
         for L in self.layers:
-            L.qkv_w, L.down_w = Observed(L.qkv_w), Observed(L.down_w)
+            L.qkv_w = Observed(L.qkv_w)
+            if L.experts is None:
+                L.down_w = Observed(L.down_w)
         n = min(CALIBRATION_TOKENS, self.cfg.max_position)
         for s in range(0, len(ids), n):
             chunk = ids[s:s + n]
@@ -114,7 +116,9 @@ class Model:
         for i, L in enumerate(self.layers):
             p = f"model.layers.{i}."
             for attr, w in (("qkv_w", _qkv(weights, p)),
-                            ("down_w", weights[p + "mlp.down_proj.weight"])):
+                            ("down_w", weights.get(p + "mlp.down_proj.weight"))):
+                if w is None:      # a MoE layer: its experts stay as they are
+                    continue
                 seen = getattr(L, attr)
                 setattr(L, attr, SmoothedWeight(seen.base, w, smoothing(w, seen.amax)))
 
@@ -145,8 +149,13 @@ class Model:
         L.q_norm, L.k_norm = ((self._norm_weight(w("self_attn.q_norm.weight")),
                                self._norm_weight(w("self_attn.k_norm.weight")))
                               if cfg.qk_norm else (None, None))
-        L.gate_up_w = q8(_gate_up(weights, p))
-        L.down_w = q(w("mlp.down_proj.weight"))
+        L.router = L.experts = L.gate_up_w = L.down_w = None
+        if cfg.moe_layers and cfg.moe_layers[int(p.split(".")[2])]:
+            L.router = w("mlp.gate.weight")       # [E, H], unquantized: it picks experts
+            L.experts = [(q8(gu), q(d)) for gu, d in _experts(weights, p, cfg.num_experts)]
+        else:
+            L.gate_up_w = q8(_gate_up(weights, p))
+            L.down_w = q(w("mlp.down_proj.weight"))
         return L
 
     @property
@@ -155,8 +164,11 @@ class Model:
         LM head (an untied embedding table is only indexed, one row per token)."""
         tensors = [self.norm, self.lm_head] + [
             getattr(L, a) for L in self.layers for a in Layer.__slots__
-            if a not in ("window", "rope")]
-        return sum(weight_nbytes(t) for t in tensors)
+            if a not in ("window", "rope", "experts")]
+        routed = sum(weight_nbytes(t) for L in self.layers for e in (L.experts or ())
+                     for t in e)       # a token reads experts_per_tok of num_experts
+        share = self.cfg.experts_per_tok / self.cfg.num_experts if routed else 0
+        return sum(weight_nbytes(t) for t in tensors) + int(routed * share)
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # float32 math, then back to the model dtype (as transformers does); Gemma scales
@@ -212,9 +224,10 @@ class Model:
             o = linear(o.reshape(T, Hq * D), L.o_w, L.o_b)
             h = h + (o if L.post_attn is None else self.rms_norm(o, L.post_attn))
             x = self.rms_norm(h, L.ln2)
-            gate, up = linear(x, L.gate_up_w).chunk(2, dim=-1)
-            gate = F.silu(gate) if self.gelu is None else F.gelu(gate, approximate=self.gelu)
-            m = linear(gate * up, L.down_w)
+            if L.experts is not None:
+                m = self.moe(x, L, fixed_m=meta.pad_logits_to > 0)
+            else:
+                m = self.mlp(x, L.gate_up_w, L.down_w)
             h = h + (m if L.post_mlp is None else self.rms_norm(m, L.post_mlp))
         rows = h if meta.logits_rows is None else h[meta.logits_rows]
         S = rows.shape[0]
@@ -224,6 +237,33 @@ class Model:
         if cfg.final_softcap:       # Gemma 2: logits soft-capped
             logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return logits
+
+    def mlp(self, x: torch.Tensor, gate_up_w, down_w) -> torch.Tensor:
+        gate, up = linear(x, gate_up_w).chunk(2, dim=-1)
+        gate = F.silu(gate) if self.gelu is None else F.gelu(gate, approximate=self.gelu)
+        return linear(gate * up, down_w)
+
+    def moe(self, x: torch.Tensor, L: Layer, fixed_m: bool = False) -> torch.Tensor:
+        """A sparse layer (Qwen3-MoE, as transformers routes): softmax over the router's
+        logits in float32, the top experts_per_tok, renormalised when norm_topk_prob; each
+        expert runs once on the rows routed to it, so a step reads only the routed
+        experts' weights. fixed_m (deterministic mode): each expert's rows padded to the
+        batch's fixed M, so a row's result does not depend on which others share it."""
+        cfg = self.cfg
+        probs = torch.softmax(linear(x, L.router), dim=-1, dtype=torch.float)
+        weight, chosen = torch.topk(probs, cfg.experts_per_tok, dim=-1)     # [T, k]
+        if cfg.norm_topk_prob:
+            weight = weight / weight.sum(dim=-1, keepdim=True)
+        weight = weight.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in chosen.unique().tolist():
+            rows, k = torch.where(chosen == e)
+            xe = x[rows]
+            if fixed_m:
+                xe = torch.cat([xe, xe.new_zeros(x.shape[0] - len(rows), x.shape[1])])
+            y = self.mlp(xe, *L.experts[e])[:len(rows)]
+            out.index_add_(0, rows, y * weight[rows, k, None])
+        return out
 
     @staticmethod
     def _decode_plan(meta: BatchMeta, kv: torch.Tensor):
@@ -350,6 +390,19 @@ def _gate_up(weights: dict, p: str) -> torch.Tensor:
         return weights[p + "mlp.gate_up_proj.weight"]
     return torch.cat([weights[p + "mlp.gate_proj.weight"],
                       weights[p + "mlp.up_proj.weight"]]).contiguous()
+
+
+def _experts(weights: dict, p: str, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each expert's (gate|up [2I, H], down [H, I]): from the [E, ...] tensors transformers
+    5 saves, or from one set per expert (the Hub's Qwen3-MoE checkpoints)."""
+    fused = weights.get(p + "mlp.experts.gate_up_proj")
+    if fused is not None:
+        down = weights[p + "mlp.experts.down_proj"]
+        return [(fused[e].contiguous(), down[e].contiguous()) for e in range(n)]
+    x = p + "mlp.experts.{}."
+    return [(torch.cat([weights[x.format(e) + "gate_proj.weight"],
+                        weights[x.format(e) + "up_proj.weight"]]).contiguous(),
+             weights[x.format(e) + "down_proj.weight"]) for e in range(n)]
 
 
 def _qkv(weights: dict, p: str) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Architectures other than Llama over the whole mesh: tiny random GLM-4 (partial
 interleaved RoPE, post-norms, q/k/v biases, fused gate|up; the family of the deployments
 this project exists to fix) and Gemma 2 (local/global layers with a window the prompts
-pass, soft-capped scores and logits) checkpoints, written by transformers' own classes with
+pass, soft-capped scores and logits) and Qwen3-MoE (8 experts, top 2) checkpoints, written by transformers' own classes with
 the tiny model's tokenizer beside them. PD == colocated == the engine alone, token for token
 (deterministic mode), greedy and seeded sampling: the KV wire's shapes come from the config,
 and prefill's KV is the KV decode would have computed."""
@@ -25,6 +25,8 @@ SHAPES = {
     "glm4": ("Glm4Config", dict(head_dim=16, attention_bias=True)),
     "gemma2": ("Gemma2Config", dict(head_dim=32, sliding_window=4, query_pre_attn_scalar=24,
                                     attn_logit_softcapping=1.5, final_logit_softcapping=4.0)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, norm_topk_prob=True)),
 }
 
 

@@ -50,6 +50,10 @@ def hf_greedy(ref, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
+MOE = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+           num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+           mlp_only_layers=[1])
+
 CASES = {
     # q/k RMSNorm per head; head_dim 32 with hidden 64 (not hidden / heads); GQA 4; tied
     "qwen3": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=32,
@@ -84,6 +88,8 @@ CASES = {
         layer_types=["sliding_attention", "full_attention"], pad_token_id=0,
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
                          "full_attention": {"rope_type": "default", "rope_theta": 1e6}})),
+    # 8 experts, top 2 renormalised, layer 1 dense (mlp_only_layers); q/k norm; GQA 2
+    "qwen3_moe": ("Qwen3MoeConfig", MOE),
 }
 
 
@@ -125,8 +131,8 @@ def test_a_sliding_window_is_honoured_past_the_window(tmp_path):
 @pytest.mark.parametrize("cls,fields,named", [
     ("LlamaConfig", dict(mlp_bias=True), "mlp_bias"),
     ("LlamaConfig", dict(hidden_act="relu"), "hidden_act"),
-    ("Qwen3MoeConfig", dict(num_attention_heads=4, num_key_value_heads=2,
-                            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    ("MixtralConfig", dict(num_attention_heads=4, num_key_value_heads=2,
+                           num_local_experts=4, num_experts_per_tok=2),
      "unsupported architecture"),
     ("Gemma3TextConfig", dict(head_dim=16, use_bidirectional_attention=True),
      "use_bidirectional_attention"),
@@ -179,3 +185,117 @@ def test_a_hub_id_in_the_local_cache_is_served_and_one_not_there_is_refused(tmp_
     with pytest.raises(ModelNotFound, match="not in the Hugging Face cache"):
         resolve("acme/not-here")
     assert resolve(str(src)) == src                       # a folder is used as it is
+
+
+def test_moe_experts_stored_per_expert_load_the_same(tmp_path):
+    """The Hub's Qwen3-MoE checkpoints hold one gate/up/down per expert; transformers 5
+    saves [E, ...] tensors. Both load into the same model."""
+    from safetensors.torch import load_file, save_file
+
+    path = checkpoint(tmp_path / "m", "Qwen3MoeConfig", **MOE)
+    ids = list(range(3, 15))
+    want = engine_logits(engine(path), ids)
+    st = path / "model.safetensors"
+    split = {}
+    for name, t in load_file(st).items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            p = name.removesuffix("gate_up_proj")
+            for e in range(t.shape[0]):
+                gate, up = t[e].chunk(2)
+                split[f"{p}{e}.gate_proj.weight"] = gate.contiguous()
+                split[f"{p}{e}.up_proj.weight"] = up.contiguous()
+        elif name.endswith("mlp.experts.down_proj"):
+            p = name.removesuffix("down_proj")
+            for e in range(t.shape[0]):
+                split[f"{p}{e}.down_proj.weight"] = t[e].contiguous()
+        else:
+            split[name] = t
+    save_file(split, st, metadata={"format": "pt"})
+    assert torch.equal(engine_logits(engine(path), ids), want)
+
+
+def test_a_moe_decode_step_reads_only_the_routed_experts(tmp_path, monkeypatch):
+    """One decode row reads experts_per_tok experts per sparse layer, never the others:
+    the weight bytes it touches are the active parameters', and weight_bytes says so."""
+    import shared.engine.model as model_mod
+
+    path = checkpoint(tmp_path / "m", "Qwen3MoeConfig", **MOE)
+    eng = engine(path)
+    m = eng.model
+    experts = {id(w): (li, e) for li, L in enumerate(m.layers) for e, pair in
+               enumerate(L.experts or ()) for w in pair}
+    read = []
+    real = model_mod.linear
+    monkeypatch.setattr(model_mod, "linear", lambda x, w, b=None: (
+        read.append(id(w)), real(x, w, b))[1])
+    meta, kv = model_mod.one_prompt(m.cfg, 1, torch.float32)
+    m.forward(torch.tensor([7]), meta, kv)
+    touched = {experts[w] for w in read if w in experts}
+    assert len(touched) == MOE["num_experts_per_tok"]              # of 8, each read once
+    assert sum(w in experts for w in read) == 2 * len(touched)     # its gate|up and down
+    assert {li for li, _ in touched} == {0}                        # layer 1 is dense
+    E, k = MOE["num_experts"], MOE["num_experts_per_tok"]
+    per_expert = sum(w.numel() * 4 for w in m.layers[0].experts[0])
+    dense_all = m.weight_bytes - k * per_expert + E * per_expert
+    assert m.weight_bytes < dense_all and dense_all - m.weight_bytes == (E - k) * per_expert
+
+
+@pytest.mark.parametrize("name", ["gemma2", "qwen3_moe"])
+def test_staggered_requests_equal_alone_in_deterministic_mode(tmp_path, name):
+    """Continuous batching changes no token on the paths these add: windowed and
+    soft-capped attention (a decode row and a deterministic prompt's row compute alike)
+    and expert GEMMs (each padded to the batch's fixed M)."""
+    from .test_batching import params_for
+
+    cls, fields = CASES[name]
+    path = checkpoint(tmp_path / "m", cls, **fields)
+    det = lambda: LLMEngine(EngineConfig(  # noqa: E731
+        model=str(path), num_blocks=256, block_size=8, deterministic=True, max_num_seqs=8,
+        max_num_batched_tokens=64, chunk_size=16, dtype="float32"), tokenizer=None)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 500, (5 + 4 * i,), generator=g).tolist() for i in range(8)]
+    alone = det()
+    want = [alone.generate([p], params_for(i))[0]["token_ids"] for i, p in enumerate(prompts)]
+    eng, got, step = det(), {f"r{i}": [] for i in range(8)}, 0
+    pending = list(range(8))
+    while pending or eng.has_unfinished:
+        if pending and step % 2 == 0:
+            i = pending.pop(0)
+            eng.add_request(f"r{i}", prompts[i], params_for(i))
+        for o in eng.step():
+            got[o.request_id] += o.new_token_ids
+        step += 1
+    assert [got[f"r{i}"] for i in range(8)] == want
+
+
+@pytest.mark.parametrize("name", ["gemma2", "qwen3_moe"])
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_quantized_weights_serve_these_architectures(tmp_path, name, quantize):
+    """int8/int4 reach every linear weight, experts included, and stay close to float
+    (random weights: a loose bound; int4's accuracy budget is measured on the bundled
+    model, tests/engine/test_quant.py)."""
+    cls, fields = CASES[name]
+    path = checkpoint(tmp_path / "m", cls, **fields)
+    full = engine(path)
+    q = LLMEngine(EngineConfig(model=str(path), num_blocks=64, block_size=8, dtype="float32",
+                               quantize=quantize), tokenizer=None)
+    ids = list(range(3, 20))
+    a, b = engine_logits(full, ids), engine_logits(q, ids)
+    assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > (
+        0.99 if quantize == "int8" else 0.9)
+    assert q.model.weight_bytes < full.model.weight_bytes * 0.6
+
+
+def test_a_rows_expert_output_is_the_same_bits_whatever_shares_its_batch(tmp_path):
+    """Deterministic mode's premise for a sparse layer: each expert's GEMM runs at the
+    batch's fixed M, so a row's output does not depend on how many others chose the same
+    expert (unpadded, the rows differ by ~6e-8 at SmolLM2's hidden size)."""
+    path = checkpoint(tmp_path / "m", "Qwen3MoeConfig", **(MOE | dict(
+        hidden_size=576, moe_intermediate_size=256, head_dim=64, num_attention_heads=9,
+        num_key_value_heads=3)))
+    m = engine(path).model
+    x = torch.randn(16, 576, generator=torch.Generator().manual_seed(0))
+    full = m.moe(x, m.layers[0], fixed_m=True)
+    for i in range(16):
+        alone = torch.cat([x[i:i + 1], torch.zeros(15, 576)])
+        assert torch.equal(m.moe(alone, m.layers[0], fixed_m=True)[0], full[i])
