@@ -1,5 +1,6 @@
 """Model output text -> OpenAI tool calls, whole (`parse_tool_calls`) or as a stream
-(`ToolCallStreamParser`), for the Hermes format the chat templates render:
+(`ToolCallStreamParser`), in the format the model speaks (toolformats.py; Hermes unless
+told), e.g. Hermes:
 
     some text
     <tool_call>
@@ -7,10 +8,11 @@
     </tool_call>
     <tool_call>...</tool_call>
 
-Rules, the same for both (the stream's concatenated content and its calls equal the whole
-parse of the same text):
-- a block `<tool_call>JSON</tool_call>` is a call when JSON is an object with a non-empty
-  string "name" and an object "arguments" (missing -> {}; a JSON string holding an object is
+Rules, the same for both (the whole parse is the stream fed the whole text at once, so the
+stream's concatenated content and its calls equal it by construction):
+- a block (the format's open marker to its close marker, or to the end of the output) is
+  its calls when the format reads its body (Hermes: a JSON object with a non-empty string
+  "name" and an object "arguments", missing -> {}, a JSON string holding an object
   accepted); anything else — bad JSON, no name, an unclosed tag — stays in the content as text;
 - whitespace touching a call (before its tag, after its close tag) is dropped; other text
   outside calls is content, in order;
@@ -26,10 +28,9 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
-from typing import Any
+from collections.abc import Mapping
 
-START = "<tool_call>"
-END = "</tool_call>"
+from .toolformats import ToolFormat, get
 
 
 def call_id(request_id: str | None, index: int) -> str:
@@ -38,78 +39,77 @@ def call_id(request_id: str | None, index: int) -> str:
     return "call_" + hashlib.sha256(f"{request_id}:{index}".encode()).hexdigest()[:24]
 
 
-def parse_call(body: str) -> tuple[str, str] | None:
-    """Inside of one tag -> (name, arguments JSON text), or None if it is not a call."""
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict):
-        return None
-    name = obj.get("name")
-    args: Any = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    if not isinstance(name, str) or not name or not isinstance(args, dict):
-        return None
-    return name, json.dumps(args, ensure_ascii=False)
-
-
 def tool_call(request_id: str | None, index: int, name: str, arguments: str) -> dict:
     return {"id": call_id(request_id, index), "type": "function",
             "function": {"name": name, "arguments": arguments}}
 
 
-def parse_tool_calls(text: str, request_id: str | None = None) -> tuple[str | None, list[dict]]:
-    """Whole output -> (message content, OpenAI tool_calls)."""
+def parse_tool_calls(text: str, request_id: str | None = None, fmt: str | None = None,
+                     tools: Mapping[str, dict] | None = None) -> tuple[str | None, list[dict]]:
+    """Whole output -> (message content, OpenAI tool_calls). fmt: a toolformats name;
+    tools: each tool's parameters schema by name (GLM's raw string values)."""
+    parser = ToolCallStreamParser(request_id, fmt, tools)
     content: list[str] = []
-    calls: list[dict] = []
-    pos = 0
-    after_call = False
-    while True:
-        start = text.find(START, pos)
-        end = text.find(END, start + len(START)) if start != -1 else -1
-        if end == -1:                                   # no more (closed) blocks
-            rest = text[pos:]
-            content.append(rest.lstrip() if after_call else rest)
-            break
-        parsed = parse_call(text[start + len(START):end])
-        if parsed is None:                              # the block stays text
-            before = text[pos:end + len(END)]
-            content.append(before.lstrip() if after_call else before)
-            after_call = False
-        else:
-            before = text[pos:start]
-            content.append((before.lstrip() if after_call else before).rstrip())
-            calls.append(tool_call(request_id, len(calls), *parsed))
-            after_call = True
-        pos = end + len(END)
+    calls: dict[int, dict] = {}
+    for d in parser.feed(text) + parser.finish():
+        if "content" in d:
+            content.append(d["content"])
+        for c in d.get("tool_calls", ()):
+            if "id" in c:
+                calls[c["index"]] = tool_call(request_id, c["index"], c["function"]["name"], "")
+            else:
+                calls[c["index"]]["function"]["arguments"] += c["function"]["arguments"]
     joined = "".join(content)
-    return (joined or None) if calls else joined, calls
+    return (joined or None) if calls else joined, [calls[i] for i in sorted(calls)]
+
+
+def tool_schemas(tools_json: str | None) -> dict[str, dict]:
+    """A constraint's tools (canonical JSON of the OpenAI list) -> parameters by name."""
+    out: dict[str, dict] = {}
+    for t in json.loads(tools_json) if tools_json else ():
+        fn = t.get("function") or {}
+        if isinstance(fn.get("name"), str):
+            out[fn["name"]] = fn.get("parameters") or {}
+    return out
+
+
+def parse_for(constraint, text: str, request_id: str | None = None):
+    """parse_tool_calls in the format and with the tools a request's Constraint names."""
+    return parse_tool_calls(text, request_id, constraint.tool_format,
+                            tool_schemas(constraint.tools))
+
+
+def stream_for(constraint, request_id: str | None = None) -> "ToolCallStreamParser":
+    """A ToolCallStreamParser in the format and with the tools a Constraint names."""
+    return ToolCallStreamParser(request_id, constraint.tool_format,
+                                tool_schemas(constraint.tools))
 
 
 class ToolCallStreamParser:
     """Text deltas -> OpenAI chat.completion.chunk `delta` dicts.
 
     `feed(text)` and `finish()` return lists of deltas: `{"content": str}` for text, and per
-    call two deltas once its close tag arrives — `{"tool_calls": [{"index", "id", "type",
+    call two deltas once its block closes — `{"tool_calls": [{"index", "id", "type",
     "function": {"name", "arguments": ""}}]}` then `{"tool_calls": [{"index", "function":
-    {"arguments": <whole JSON>}}]}`. Arguments go out whole when the call closes: the simplest
-    choice that is always well-formed (a call whose JSON turns out bad must fall back to text,
-    which a half-sent call could not). Text that may still become a tag (a trailing "<", "<to",
-    ...) and whitespace that may precede one are held back, so no tag text leaks as content.
+    {"arguments": <whole JSON>}}]}`. Arguments go out whole when the block closes: the
+    simplest choice that is always well-formed (a block that turns out bad must fall back to
+    text, which a half-sent call could not). Text that may still become a marker (a
+    trailing "<", "<to", ...) and whitespace that may precede one are held back, so no
+    marker text leaks as content. A block that runs to the end of the output (Mistral,
+    Llama 3) is held until finish().
     """
 
-    def __init__(self, request_id: str | None = None):
+    def __init__(self, request_id: str | None = None, fmt: str | ToolFormat | None = None,
+                 tools: Mapping[str, dict] | None = None):
         self.request_id = request_id
+        self.fmt = fmt if isinstance(fmt, ToolFormat) else get(fmt)
+        self.tools = tools or {}
         self.num_calls = 0
         self._buf = ""             # unparsed text
-        self._in_call = False      # _buf starts inside a <tool_call> (tag itself consumed)
-        self._ws_before = ""       # whitespace held before the open tag (kept if the block is text)
+        self._marker = None        # the open marker when _buf is inside a block
+        self._ws_before = ""       # whitespace held before the marker (kept if the block is text)
         self._after_call = False   # drop leading whitespace of the text that follows a call
+        self._text_seen = False    # content went out (a leading format opens no block after)
 
     @property
     def has_tool_calls(self) -> bool:
@@ -118,13 +118,13 @@ class ToolCallStreamParser:
     def feed(self, text: str) -> list[dict]:
         self._buf += text
         out: list[dict] = []
+        f = self.fmt
         while True:
-            if self._in_call:
-                end = self._buf.find(END)
+            if self._marker is not None:
+                end = self._buf.find(f.end) if f.end else -1
                 if end == -1:
                     return out
-                body, self._buf = self._buf[:end], self._buf[end + len(END):]
-                self._in_call = False
+                body, self._buf = self._buf[:end], self._buf[end + len(f.end):]
                 self._close_block(body, out)
                 continue
             if self._after_call:
@@ -132,57 +132,82 @@ class ToolCallStreamParser:
                 if not self._buf:
                     return out
                 self._after_call = False
-            start = self._buf.find(START)
-            if start != -1:
+            if f.leading and self._text_seen:
+                self._emit(self._buf, out)
+                self._buf = ""
+                return out
+            start, marker = self._find_start()
+            if marker is not None:
                 before = self._buf[:start]
                 text_part = before.rstrip()
                 self._emit(text_part, out)
                 self._ws_before = before[len(text_part):]
-                self._buf = self._buf[start + len(START):]
-                self._in_call = True
+                self._buf = self._buf[start + (0 if f.keep_start else len(marker)):]
+                self._marker = marker
                 continue
-            keep = _held_suffix(self._buf)
+            keep = self._held_suffix()
             self._emit(self._buf[:len(self._buf) - keep], out)
             self._buf = self._buf[len(self._buf) - keep:]
             return out
 
     def finish(self) -> list[dict]:
-        """End of output: whatever was held back is content (an unclosed tag is text)."""
+        """End of output: a block that runs to the end closes; whatever else was held back
+        is content (an unclosed tag is text)."""
         out: list[dict] = []
-        if self._in_call:
-            self._emit(self._ws_before + START + self._buf, out)
+        if self._marker is not None and self.fmt.end is None:
+            self._close_block(self._buf, out)
+        elif self._marker is not None:
+            self._emit(self._ws_before + self._opened() + self._buf, out)
         elif not self._after_call:
             self._emit(self._buf, out)
-        self._buf, self._in_call, self._ws_before = "", False, ""
+        self._buf, self._marker, self._ws_before = "", None, ""
         return out
 
+    def _find_start(self) -> tuple[int, str | None]:
+        """Where the first open marker is in _buf; a leading format's only where the
+        output's first non-whitespace text begins."""
+        if self.fmt.leading:
+            i = len(self._buf) - len(self._buf.lstrip())
+            hit = next((m for m in self.fmt.starts if self._buf.startswith(m, i)), None)
+            return i, hit
+        found = [(i, m) for m in self.fmt.starts if (i := self._buf.find(m)) != -1]
+        return min(found) if found else (-1, None)
+
+    def _held_suffix(self) -> int:
+        """Length of the tail to hold: a proper prefix of an open marker, plus the
+        whitespace before it (dropped if a call follows); a leading format holds all
+        while the output is whitespace or a marker's prefix."""
+        buf = self._buf
+        if self.fmt.leading:
+            rest = buf.lstrip()
+            return len(buf) if any(m.startswith(rest) for m in self.fmt.starts) else 0
+        tag = 0
+        for m in self.fmt.starts:
+            for k in range(min(len(buf), len(m) - 1), tag, -1):
+                if m.startswith(buf[-k:]):
+                    tag = k
+                    break
+        head = buf[:len(buf) - tag]
+        return tag + len(head) - len(head.rstrip())
+
+    def _opened(self) -> str:
+        return "" if self.fmt.keep_start else self._marker
+
     def _close_block(self, body: str, out: list[dict]) -> None:
-        parsed = parse_call(body)
-        if parsed is None:
-            self._emit(self._ws_before + START + body + END, out)
+        calls = self.fmt.parse(body, self.tools)
+        if calls is None:
+            self._emit(self._ws_before + self._opened() + body + (self.fmt.end or ""), out)
         else:
-            name, arguments = parsed
-            call = tool_call(self.request_id, self.num_calls, name, "")
-            out.append({"tool_calls": [{"index": self.num_calls, **call}]})
-            out.append({"tool_calls": [{"index": self.num_calls,
-                                        "function": {"arguments": arguments}}]})
-            self.num_calls += 1
+            for name, arguments in calls:
+                call = tool_call(self.request_id, self.num_calls, name, "")
+                out.append({"tool_calls": [{"index": self.num_calls, **call}]})
+                out.append({"tool_calls": [{"index": self.num_calls,
+                                            "function": {"arguments": arguments}}]})
+                self.num_calls += 1
             self._after_call = True
-        self._ws_before = ""
+        self._ws_before, self._marker = "", None
 
-    @staticmethod
-    def _emit(text: str, out: list[dict]) -> None:
+    def _emit(self, text: str, out: list[dict]) -> None:
         if text:
+            self._text_seen = True
             out.append({"content": text})
-
-
-def _held_suffix(buf: str) -> int:
-    """Length of the tail to hold: a proper prefix of the open tag, plus the whitespace before
-    it (it is dropped if a call follows)."""
-    tag = 0
-    for k in range(min(len(buf), len(START) - 1), 0, -1):
-        if START.startswith(buf[-k:]):
-            tag = k
-            break
-    head = buf[:len(buf) - tag]
-    return tag + len(head) - len(head.rstrip())

@@ -74,9 +74,10 @@ def test_arguments_are_rendered_like_the_template():
     assert calls[0]["function"]["arguments"] == '{"a": 1, "b": "é"}'
 
 
-def run_stream(text: str, pieces: list[str], request_id: str = "req-1"):
+def run_stream(text: str, pieces: list[str], request_id: str = "req-1", fmt: str | None = None,
+               tools=None):
     """Feed pieces; return (content deltas, calls merged from their deltas, all deltas)."""
-    parser = ToolCallStreamParser(request_id)
+    parser = ToolCallStreamParser(request_id, fmt, tools)
     deltas = []
     for piece in pieces:
         deltas += parser.feed(piece)

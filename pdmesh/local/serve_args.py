@@ -17,6 +17,7 @@ from pdmesh.local import config_file
 from pdmesh.local.launch import CONFIG_CLASSES
 from pdmesh.local.overrides import Overrides, check, merge, parse_kv, parse_sets
 from pdmesh.local.threads import parse_threads
+from shared.toolformats import FORMATS as TOOL_FORMATS
 
 SERVICES = tuple(CONFIG_CLASSES)        # gateway, decode, prefill, kvstore
 ENGINES = ("decode", "prefill")
@@ -27,7 +28,7 @@ DEFAULTS: dict[str, Any] = dict(
     nats_port=0, nats_http_port=None, nats_host="127.0.0.1", nats_cluster=1, nats_auth=True,
     tls=False,
     served_model_name=None, max_model_len=None, dtype="auto", quantization="int4",
-    act_int8=False, chat_template=None, enable_prefix_caching=None, api_key=None,
+    act_int8=False, chat_template=None, tool_call_parser="auto", enable_prefix_caching=None, api_key=None,
     deterministic=None, mode=None, threads="auto", no_kvstore=False, extra_env=None,
     set=None, log_dir=None, startup_timeout=300.0, restart_limit=5, restart_window=60.0)
 
@@ -113,6 +114,9 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
     _add(model, "--act-int8", action="store_true", shown="off", help=ACT_INT8_HELP)
     _add(model, "--chat-template", metavar="FILE", shown="the model's",
          help="a Jinja chat template that replaces the model's (the gateway renders chats)")
+    _add(model, "--tool-call-parser", choices=("auto", *sorted(TOOL_FORMATS)),
+         help="the format tool calls are parsed and constrained in (vLLM's and SGLang's "
+              "names); auto: the one the chat template renders")
     _add(model, "--enable-prefix-caching", action=argparse.BooleanOptionalAction, shown="on",
          help="reuse the KV of prompt blocks still in an engine's pool")
     _add(model, "--api-key", action="append", metavar="KEY",
@@ -194,6 +198,7 @@ FLAG_SETTINGS: dict[str, Callable[[Any], Overrides]] = {
     "act_int8": lambda on: (merge(_engines(act_int8=True), {"decode": {"smoothquant": True}})
                             if on else {}),
     "chat_template": lambda f: {"gateway": {"chat_template": str(Path(f).resolve())}} if f else {},
+    "tool_call_parser": lambda p: {"gateway": {"tool_call_parser": p}} if p != "auto" else {},
     "enable_prefix_caching": lambda on: _engines(prefix_cache=on) if on is not None else {},
     "deterministic": lambda on: _engines(deterministic=True) if on else {},
     "mode": lambda m: {"decode": {"mode": m}} if m else {},

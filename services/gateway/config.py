@@ -27,6 +27,9 @@ class GatewayConfig:
         "/v1/models lists (0: the model's max_position_embeddings); set it as decode's"))
     chat_template: str = field(default="", metadata=_help(
         "a Jinja chat template file that replaces the model's ('': the model's)"))
+    tool_call_parser: str = field(default="auto", metadata=_help(
+        "the format tool calls are parsed and constrained in: auto (from the chat template) "
+        "| hermes | llama3_json | mistral | glm45"))
     nats_url: str = field(default="nats://127.0.0.1:4222", metadata=_help("NATS server URL"))
     nats: NatsAuth = field(default_factory=NatsAuth, metadata={"prefix": "nats_"})   # identity, TLS
     otlp_endpoint: str = field(default="", metadata=_help(
@@ -130,6 +133,9 @@ class GatewayConfig:
                              f"{self.responses_store_size}")
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
+        if self.tool_call_parser != "auto":
+            from shared.toolformats import get
+            get(self.tool_call_parser)          # ValueError names the known ones
         if self.chat_template and not Path(self.chat_template).is_file():
             raise ValueError(f"chat_template {self.chat_template}: no such file")
         if self.default_max_tokens < 0:

@@ -28,6 +28,7 @@ class ModelSpec:
     sampling_defaults: dict = field(default_factory=dict)
     default_max_tokens: int | None = None
     folder: str = ""                  # where its files are (--model may be a Hub id)
+    tool_format: str = "hermes"       # how tool calls are written (shared/toolformats.py)
 
     def accepts(self, model: str | None) -> bool:
         return model is None or model == self.name or model in self.aliases
@@ -53,7 +54,9 @@ class ModelSpec:
                    max_model_len=int(window), vocab_size=int(vocab), tokenizer=tokenizer,
                    created=int(time.time()), sampling_defaults=defaults,
                    default_max_tokens=cap or cfg.default_max_tokens or None,
-                   folder=str(folder))
+                   folder=str(folder),
+                   tool_format=(cfg.tool_call_parser if cfg.tool_call_parser != "auto"
+                                else getattr(tokenizer, "tool_format", "hermes")))
 
 
 def _read_json(path: Path) -> dict:

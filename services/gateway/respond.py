@@ -25,7 +25,7 @@ from aiohttp import web
 
 from shared.contracts.common import ErrorCode
 from shared.contracts.messages import FinishReason, TokenChunk
-from shared.toolcalls import ToolCallStreamParser, parse_tool_calls
+from shared.toolcalls import parse_for, stream_for
 
 from . import protocol as P
 from .aborting import AbortOnExit, fail_stream
@@ -75,7 +75,8 @@ class Answer:
         self.lp_offset = 0          # completions logprobs text_offset
         self.spec = (0, 0, 0)       # speculative steps, drafts proposed, drafts accepted
         o = self.prep.options
-        self.parser = (ToolCallStreamParser(self.rid) if o.stream and o.chat and o.tool_calls
+        self.parser = (stream_for(self.prep.constraint, self.rid)
+                       if o.stream and o.chat and o.tool_calls
                        else None)
 
     def add(self, chunk: TokenChunk) -> tuple[str, dict | None]:
@@ -208,7 +209,7 @@ def whole_body(ans: Answer, rid: str, created: int) -> dict:
     o = ans.prep.options
     text = "".join(ans.parts)
     if o.chat and o.tool_calls:
-        content, calls = parse_tool_calls(text, ans.rid)
+        content, calls = parse_for(ans.prep.constraint, text, ans.rid)
         finish = FinishReason.TOOL_CALLS.value if calls else ans.finish_reason
         body = P.chat_completion(rid, created, o.model, content, finish, ans.usage,
                                  ans.all_logprobs(), tool_calls=calls)

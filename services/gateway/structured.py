@@ -45,8 +45,11 @@ _CANON = dict(separators=(",", ":"))   # key order kept: it is the generated pro
 TOOL_KINDS = (ConstraintKind.TOOLS_AUTO, ConstraintKind.TOOLS_REQUIRED, ConstraintKind.TOOL_NAMED)
 
 
-def tools_and_format(req: ChatCompletionRequest) -> tuple[list[dict] | None, Constraint]:
-    """(tools for the chat template or None, the constraint); 400 for what cannot be served."""
+def tools_and_format(req: ChatCompletionRequest, tool_format: str = "hermes"
+                     ) -> tuple[list[dict] | None, Constraint]:
+    """(tools for the chat template or None, the constraint); 400 for what cannot be served.
+    tool_format: how the model writes tool calls (shared/toolformats.py)."""
+    fmt_name = "" if tool_format == "hermes" else tool_format
     for name in ("functions", "function_call"):
         if getattr(req, name) is not None:
             raise OpenAIError(400, f"'{name}' is not supported; it is the deprecated form of "
@@ -58,8 +61,8 @@ def tools_and_format(req: ChatCompletionRequest) -> tuple[list[dict] | None, Con
     fmt = _response_format(req.response_format, budget)
     if tools:
         # every tool must compile, whatever tool_choice says (they are all in the prompt)
-        _check_grammar(Constraint(kind=ConstraintKind.TOOLS_AUTO, tools=_canonical(tools)),
-                       "tools")
+        _check_grammar(Constraint(kind=ConstraintKind.TOOLS_AUTO, tools=_canonical(tools),
+                                  tool_format=fmt_name), "tools")
     if fmt is not None and kind is not ConstraintKind.NONE:
         forced = ("tool_choice 'required'" if kind is ConstraintKind.TOOLS_REQUIRED else
                   f"tool_choice naming '{tool_name}'" if kind is ConstraintKind.TOOL_NAMED else
@@ -78,7 +81,8 @@ def tools_and_format(req: ChatCompletionRequest) -> tuple[list[dict] | None, Con
         constraint = Constraint()
     else:
         constraint = Constraint(kind=kind, tools=_canonical(tools), tool_name=tool_name,
-                                parallel_tool_calls=req.parallel_tool_calls is not False)
+                                parallel_tool_calls=req.parallel_tool_calls is not False,
+                                tool_format=fmt_name)
         _check_grammar(constraint, "tool_choice" if tool_name else "tools")
     return tools, constraint
 

@@ -67,7 +67,7 @@ def prepare_chat(req: ChatCompletionRequest, spec: ModelSpec) -> Prepared:
     bodies into one, apis/)."""
     check_model(req.model, spec)
     _check_common(req)
-    tools, constraint = tools_and_format(req)
+    tools, constraint = tools_and_format(req, spec.tool_format)
     messages = [message_dict(i, m) for i, m in enumerate(req.messages)] if req.messages else None
     if not messages:
         raise OpenAIError(400, "'messages' must contain at least one message", "messages")

@@ -22,3 +22,6 @@ class Constraint(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     tools: str | None = None           # canonical JSON text of the tools list
     tool_name: str | None = None
     parallel_tool_calls: bool = True
+    # the tool-call format the model speaks (shared/toolformats.py; "" is hermes): the
+    # grammar a constrained call follows, so every engine must build the same one
+    tool_format: str = ""

@@ -65,9 +65,27 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         # no clean-up: it rewrites " ." -> "." and would make decode lossy and non-incremental
+        if skip_special_tokens and self._hidden_special is not None:
+            # skip special tokens but a tool-call format's markers ([TOOL_CALLS],
+            # <|python_tag|>, ...): the tool parser reads them (as vLLM keeps them for its
+            # mistral / llama3_json parsers)
+            ids = [i for i in ids if i not in self._hidden_special]
+            skip_special_tokens = False
         return self.hf.decode(
             list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )
+
+    @functools.cached_property
+    def _hidden_special(self) -> frozenset[int] | None:
+        """The special ids decode skips when a tool-call marker is itself a special token
+        (None when none is: then skip_special_tokens skips exactly the same set)."""
+        from shared.toolformats import MARKERS
+
+        special = {i for i, t in getattr(self.hf, "added_tokens_decoder", {}).items()
+                   if getattr(t, "special", False)}
+        special |= set(self.hf.all_special_ids)
+        kept = {i for i in special if self.hf.convert_ids_to_tokens(i) in MARKERS}
+        return frozenset(special - kept) if kept else None
 
     # chat
 
@@ -99,6 +117,16 @@ class Tokenizer:
     def model_template_renders_tools(self) -> bool:
         template = self.hf.chat_template
         return isinstance(template, str) and "tools" in template
+
+    @cached_property
+    def tool_format(self) -> str:
+        """The tool-call format the template renders (shared/toolformats.py): the model's
+        own when it renders tools, else the bundled Hermes tool template's."""
+        from shared.toolformats import DEFAULT, detect
+
+        if not self.model_template_renders_tools:
+            return DEFAULT
+        return detect(self.hf.chat_template)
 
     def _template_for(self, messages: list[dict], tools: list[dict] | None) -> str | None:
         """The model's own template, unless the conversation involves tools it cannot render

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from shared.contracts.messages import TokenChunk
-from shared.toolcalls import ToolCallStreamParser, parse_tool_calls
+from shared.toolcalls import parse_for, stream_for
 
 from .. import auth
 from ..aborting import AbortOnExit
@@ -76,10 +76,10 @@ class Turn:
     async def events(self) -> AsyncIterator[tuple[str, Any]]:
         """The output as BlockStream events while it streams, then its final ones. A
         re-dispatch (only before anything was sent) starts the parse afresh."""
-        blocks, d = BlockStream(self.rid, self.tools), self.ans.d
+        blocks, d = BlockStream(self.rid, self.tools, self.job.prep.constraint), self.ans.d
         async for _c, text in self.chunks():
             if self.ans.d is not d:
-                blocks, d = BlockStream(self.rid, self.tools), self.ans.d
+                blocks, d = BlockStream(self.rid, self.tools, self.job.prep.constraint), self.ans.d
             for ev in blocks.feed(text):
                 yield ev
         for ev in blocks.finish():
@@ -130,12 +130,13 @@ async def run(gw: Gateway, request: web.Request, parse: Callable[[bytes, Any], J
 # ---- blocks ------------------------------------------------------------------------------
 
 
-def whole_blocks(text: str, rid: str, tools: bool) -> tuple[str | None, list[Call]]:
-    """The whole output -> (text or None, tool calls): shared.toolcalls' Hermes parse when
-    tools are on, else all text."""
+def whole_blocks(text: str, rid: str, tools: bool, constraint=None
+                 ) -> tuple[str | None, list[Call]]:
+    """The whole output -> (text or None, tool calls): shared.toolcalls' parse, in the
+    format the constraint names, when tools are on, else all text."""
     if not tools:
         return text, []
-    content, calls = parse_tool_calls(text, rid)
+    content, calls = parse_for(constraint, text, rid)
     return content, [Call(c["id"], c["function"]["name"], c["function"]["arguments"])
                      for c in calls]
 
@@ -145,8 +146,8 @@ class BlockStream:
     whole when its close tag arrives (ToolCallStreamParser holds back anything that may
     still become a tag); without tools every delta is text."""
 
-    def __init__(self, rid: str, tools: bool):
-        self.parser = ToolCallStreamParser(rid) if tools else None
+    def __init__(self, rid: str, tools: bool, constraint=None):
+        self.parser = stream_for(constraint, rid) if tools else None
         self._head: dict | None = None
 
     def feed(self, text: str) -> list[tuple[str, Any]]:

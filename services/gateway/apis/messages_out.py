@@ -82,7 +82,8 @@ def message(turn: Turn, content: list[dict], reason: str | None, seq: str | None
 
 
 async def respond_whole(turn: Turn) -> web.Response:
-    text, calls = whole_blocks(await turn.whole_text(), turn.rid, turn.tools)
+    text, calls = whole_blocks(await turn.whole_text(), turn.rid, turn.tools,
+                              turn.job.prep.constraint)
     content = [{"type": "text", "text": text}] if text else []
     content += [tool_use(c) for c in calls]
     reason, seq = stop(turn, bool(calls))

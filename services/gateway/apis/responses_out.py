@@ -100,7 +100,8 @@ def _remember(store: ResponseStore, turn: Turn, response: dict, text: str | None
 
 
 async def respond_whole(turn: Turn, store: ResponseStore) -> web.Response:
-    text, calls = whole_blocks(await turn.whole_text(), turn.rid, turn.tools)
+    text, calls = whole_blocks(await turn.whole_text(), turn.rid, turn.tools,
+                              turn.job.prep.constraint)
     output = [message_item(_id("msg"), text)] if text or not calls else []
     output += [call_item(_id("fc"), c) for c in calls]
     body = response_obj(turn, _status(turn), output)

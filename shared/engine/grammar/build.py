@@ -4,16 +4,22 @@ Pure and cheap (milliseconds), so the gateway can call `build_grammar` to refuse
 with a 400 before any engine sees it; the engine then compiles the same grammar against its
 vocabulary (compiler.py).
 
-Output formats, matching shared/engine/templates/hermes_tools.jinja so a constrained call
-renders back into the history token for token:
+Output formats, matching the chat templates so a constrained call renders back into the
+history token for token (tool calls in the format the constraint names, toolformats.py):
 
     json_object     {"k": v, ...}                      any object, ", " and ": " separators
     json_schema     the schema's instance, same spacing (strict: no unlisted properties)
-    tool call       <tool_call>\n{"name": "NAME", "arguments": ARGS}\n</tool_call>
-    tools_required  call ("\n" call)*    (exactly one call when parallel_tool_calls is false)
+    tool call       hermes       <tool_call>\n{"name": "NAME", "arguments": ARGS}\n</tool_call>
+                    llama3_json  {"name": "NAME", "parameters": ARGS}
+                    mistral      [TOOL_CALLS][{"name": "NAME", "arguments": ARGS}, ...]
+                    glm45        <tool_call>NAME\n(<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n)*
+                                 </tool_call>, properties in schema order, strings raw
+    tools_required  call (SEP call)*    (exactly one call when parallel_tool_calls is false;
+                    SEP "\n", Llama 3's "; ", Mistral's ", " inside one [...])
     tool_named      one call to that tool
-    tools_auto      free text; "<tool_call>" in it starts a call, after which text may go on
-                    (with parallel_tool_calls false, generation ends after the first call)
+    tools_auto      free text; the format's open marker in it starts a call, after which
+                    text may go on (with parallel_tool_calls false, generation ends after
+                    the first call)
 
 JSON is generated without free whitespace (`any_whitespace=False`): small models otherwise
 loop on spaces and newlines inside the object.
@@ -28,6 +34,7 @@ import xgrammar as xgr
 from xgrammar import structural_tag as st
 
 from shared.contracts.constraint import Constraint, ConstraintKind
+from shared.toolformats import get as tool_format
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -161,31 +168,79 @@ def _json_grammar(schema: Any, *, strict: bool, where: str = "JSON schema") -> x
     return grammar
 
 
-def _call_tag(name: str, schema: dict) -> st.TagFormat:
-    args = _json_grammar(schema, strict=True, where=f"parameters of tool {name!r}")
-    return st.TagFormat(
-        begin=f'{TOOL_CALL_START}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": ',
-        content=st.GrammarFormat(grammar=str(args)),
-        end=f"}}\n{TOOL_CALL_END}",
-    )
+def _call_tag(name: str, schema: dict, style: str = "hermes") -> st.TagFormat:
+    """One call to tool `name` in the format `style`, as a structural tag."""
+    where = f"parameters of tool {name!r}"
+    quoted = json.dumps(name, ensure_ascii=False)
+    if style == "glm45":
+        return st.TagFormat(begin=f"{TOOL_CALL_START}{name}\n", content=_glm_args(schema, where),
+                            end=TOOL_CALL_END)
+    args = st.GrammarFormat(grammar=str(_json_grammar(schema, strict=True, where=where)))
+    if style == "llama3_json":
+        return st.TagFormat(begin=f'{{"name": {quoted}, "parameters": ', content=args, end="}")
+    if style == "mistral":
+        return st.TagFormat(begin=f'{{"name": {quoted}, "arguments": ', content=args, end="}")
+    return st.TagFormat(begin=f'{TOOL_CALL_START}\n{{"name": {quoted}, "arguments": ',
+                        content=args, end=f"}}\n{TOOL_CALL_END}")
+
+
+def _glm_args(schema: dict, where: str) -> st.SequenceFormat:
+    """GLM's <arg_key>/<arg_value> pairs: each property in schema order (optional unless
+    required), a string property's value raw (no "<"), any other as its JSON."""
+    props = schema.get("properties") or {}
+    required = set(schema.get("required") or ())
+    parts: list[Any] = [st.ConstStringFormat(value="")]
+    for key, sub in props.items():
+        value = (st.RegexFormat(pattern=_raw_string(sub)) if sub.get("type") == "string" else
+                 st.GrammarFormat(grammar=str(_json_grammar(sub, strict=True, where=where))))
+        pair = st.SequenceFormat(elements=[
+            st.ConstStringFormat(value=f"<arg_key>{key}</arg_key>\n<arg_value>"), value,
+            st.ConstStringFormat(value="</arg_value>\n")])
+        parts.append(pair if key in required else st.OptionalFormat(content=pair))
+    return st.SequenceFormat(elements=parts)
+
+
+def _raw_string(schema: dict) -> str:
+    """A string property's value as GLM writes it (raw, up to the next tag): its enum, or
+    any text without "<" within minLength..maxLength."""
+    if isinstance(schema.get("enum"), list) and all(isinstance(v, str) for v in schema["enum"]):
+        return "(" + "|".join(re.escape(v) for v in schema["enum"]) + ")"
+    lo, hi = int(schema.get("minLength") or 0), schema.get("maxLength")
+    return f"[^<]{{{lo},{int(hi)}}}" if hi is not None else f"[^<]{{{lo},}}"
+
+
+SEPARATORS = {"hermes": CALL_SEPARATOR, "glm45": CALL_SEPARATOR, "llama3_json": "; ",
+              "mistral": ", "}
 
 
 def _tools_grammar(c: Constraint, kind: ConstraintKind) -> xgr.Grammar:
     params = tool_parameters(c.tools)
+    try:
+        style = tool_format(c.tool_format).name
+    except ValueError as e:
+        raise ConstraintError(str(e)) from None
+    one = not c.parallel_tool_calls
     if kind is ConstraintKind.TOOL_NAMED:
         if c.tool_name not in params:
             raise ConstraintError(f"tool_choice names {c.tool_name!r}, which is not in tools")
-        fmt: Any = _call_tag(c.tool_name, params[c.tool_name])
+        fmt: Any = _call_tag(c.tool_name, params[c.tool_name], style)
     else:
-        tags = [_call_tag(name, schema) for name, schema in params.items()]
+        tags = [_call_tag(name, schema, style) for name, schema in params.items()]
         if kind is ConstraintKind.TOOLS_REQUIRED:
-            fmt = st.TagsWithSeparatorFormat(tags=tags, separator=CALL_SEPARATOR, at_least_one=True,
-                                             stop_after_first=not c.parallel_tool_calls)
+            fmt = st.TagsWithSeparatorFormat(tags=tags, separator=SEPARATORS[style],
+                                             at_least_one=True, stop_after_first=one)
+        elif kind is ConstraintKind.TOOLS_AUTO and style == "mistral":
+            fmt = st.TriggeredTagsFormat(triggers=["[TOOL_CALLS]"], tags=[
+                st.TagFormat(begin="[TOOL_CALLS][" + t.begin, content=t.content, end=t.end + "]")
+                for t in tags], stop_after_first=one)
         elif kind is ConstraintKind.TOOLS_AUTO:
-            fmt = st.TriggeredTagsFormat(triggers=[TOOL_CALL_START], tags=tags,
-                                         stop_after_first=not c.parallel_tool_calls)
+            trigger = '{"name": ' if style == "llama3_json" else TOOL_CALL_START
+            fmt = st.TriggeredTagsFormat(triggers=[trigger], tags=tags, stop_after_first=one)
         else:
             raise ConstraintError(f"unknown constraint kind {kind!r}")
+    if style == "mistral" and kind is not ConstraintKind.TOOLS_AUTO:   # one [...] block
+        fmt = st.SequenceFormat(elements=[st.ConstStringFormat(value="[TOOL_CALLS]["), fmt,
+                                          st.ConstStringFormat(value="]")])
     try:
         return xgr.Grammar.from_structural_tag(st.StructuralTag(format=fmt))
     except (RuntimeError, ValueError, TypeError) as e:
