@@ -26,6 +26,9 @@ def run(args) -> int:
         kwargs = serve_args.cluster_kwargs(args)
         if kwargs["model"] is None:
             kwargs["model"] = _default_model()
+        elif kwargs["model"].endswith(".gguf"):      # converted once, here, with progress
+            from shared.engine.gguf_convert import cached_folder
+            kwargs["model"] = str(cached_folder(kwargs["model"]))
         cluster = Cluster(**kwargs)
     except ValueError as e:
         print(f"pdmesh: {e}", file=sys.stderr)

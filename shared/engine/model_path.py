@@ -1,5 +1,6 @@
-"""What `--model` names: a local folder, or a Hugging Face id (`org/name`, optionally
-`org/name@revision`) already in the local Hugging Face cache. Nothing is downloaded at run
+"""What `--model` names: a local folder, a GGUF file (converted once into pdmesh's cache,
+gguf_convert.py), or a Hugging Face id (`org/name`, optionally `org/name@revision`)
+already in the local Hugging Face cache. Nothing is downloaded at run
 time: an id the cache does not hold is refused with where it looked and how to fetch it."""
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?(@[\w./-]+)?$")
 def resolve(model: str) -> Path:
     """The folder `model` names; ModelNotFound when there is none."""
     path = Path(model).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        from .gguf_convert import cached_folder
+        return cached_folder(path)
     if path.exists() or not HUB_ID.match(model):
         return path        # a folder (or a path the loader explains): used as it is
     from huggingface_hub import snapshot_download

@@ -1,0 +1,104 @@
+"""`--model file.gguf`: any GGUF of an architecture the engine serves, converted once from
+the file alone (weights, tokenizer, chat template, special tokens and sampling defaults
+from its metadata), serves what the Hugging Face folder it was written from serves. The
+GGUFs are written in the test from tiny checkpoints (gguf_writer.py, the `gguf` package's
+writer as llama.cpp's converter uses it)."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from shared.contracts.sampling import SamplingParams
+from shared.engine.config import EngineConfig
+from shared.engine.engine import LLMEngine
+from shared.engine.model_path import resolve
+
+from .gguf_writer import write_gguf
+from .test_archs import checkpoint
+
+
+@pytest.fixture
+def gguf_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDMESH_GGUF_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def engine(model) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model), num_blocks=128, block_size=8,
+                                  dtype="float32"))
+
+
+def answers(eng: LLMEngine, prompts: list[str], n: int = 24) -> list[str]:
+    sp = SamplingParams(temperature=0.0, max_tokens=n)
+    ids = [eng.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+    return [o["text"] for o in eng.generate(ids, sp)]
+
+
+def test_the_tiny_llama_as_a_gguf_serves_the_same_answers(tiny_target, tmp_path, gguf_cache):
+    """A real tokenizer and chat template travel in the metadata; the folder and the GGUF
+    give the same chat prompt ids and the same greedy answers, and the sampling defaults
+    in the file reach generation_config.json."""
+    g = write_gguf(tiny_target, tmp_path / "tiny.gguf",
+                   sampling={"temp": 0.7, "top_p": 0.8, "top_k": 20})
+    folder = resolve(str(g))
+    assert folder.parent.parent == gguf_cache and folder.name == "tiny"   # served as "tiny"
+    prompts = ["What is the capital of France?", "Name three colours.", "Count to five."]
+    want, got = engine(tiny_target), engine(g)
+    assert [want.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts] == \
+        [got.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+    assert answers(got, prompts) == answers(want, prompts)
+    gen = json.loads((folder / "generation_config.json").read_text())
+    assert (gen["temperature"], gen["top_p"], gen["top_k"], gen["do_sample"]) == (0.7, 0.8, 20,
+                                                                                 True)
+    marker = (folder / "pdmesh_gguf_source.json").stat().st_mtime_ns
+    assert resolve(str(g)) == folder                                  # converted once
+    assert (folder / "pdmesh_gguf_source.json").stat().st_mtime_ns == marker
+
+
+def test_a_qwen3_gguf_gives_the_folders_logits(tiny_target, tmp_path, gguf_cache):
+    """Another architecture (q/k norms, no q/k permutation) through the same path: the
+    converted weights are the folder's, bit for bit (F32 in the file), so the logits are."""
+    src = checkpoint(tmp_path / "qwen3", "Qwen3Config", vocab_size=8192, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_target / f, src / f)
+    g = write_gguf(src, tmp_path / "qwen3.gguf")
+    want, got = engine(src), engine(g)
+    ids = want.tokenizer.encode("The quick brown fox jumps over the lazy dog")
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    assert got.generate([ids], sp)[0]["token_ids"] == want.generate([ids], sp)[0]["token_ids"]
+    a = want.model.forward(torch.tensor(ids), *_one(want, len(ids)))
+    b = got.model.forward(torch.tensor(ids), *_one(got, len(ids)))
+    assert torch.equal(a, b)
+
+
+def _one(eng, n):
+    from shared.engine.model import one_prompt
+    return one_prompt(eng.model_cfg, n, torch.float32)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_a_quantized_gguf_is_dequantized_and_serves_close(tiny_target, tmp_path, gguf_cache,
+                                                         qtype):
+    """llama.cpp's block types (Q8_0, Q4_0) come back as float weights within their own
+    rounding (bfloat16 in the folder); the engine then quantizes as its settings say."""
+    import gguf
+    from safetensors.torch import load_file
+
+    g = write_gguf(tiny_target, tmp_path / f"tiny-{qtype}.gguf",
+                   quant=getattr(gguf.GGMLQuantizationType, qtype))
+    folder = resolve(str(g))
+    want = load_file(tiny_target / "model.safetensors")
+    got = load_file(folder / "model.safetensors")
+    assert all(t.dtype == torch.bfloat16 for t in got.values())
+    for name, t in want.items():
+        err = (got[name].float() - t.float()).abs().max() / t.float().abs().max()
+        assert err < (0.01 if qtype == "Q8_0" else 0.15), (name, float(err))
+    ids = engine(tiny_target).tokenizer.encode("Once upon a time")
+    a = engine(tiny_target).model.forward(torch.tensor(ids), *_one(engine(tiny_target), len(ids)))
+    b = engine(g).model.forward(torch.tensor(ids), *_one(engine(g), len(ids)))
+    assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > (
+        0.999 if qtype == "Q8_0" else 0.97)
