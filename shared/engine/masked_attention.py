@@ -49,3 +49,29 @@ def table_slots(block_table: torch.Tensor, context_len: int, block_size: int) ->
     base = block_table[:nb].long().unsqueeze(1) * block_size
     offs = torch.arange(block_size, device=block_table.device).unsqueeze(0)
     return (base + offs).flatten()[:context_len]
+
+
+def attend_decode(q: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor,
+                  block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                  scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """Decode rows in one batch: q [B, Hq, D], row b the query at position
+    context_lens[b] - 1 over its last min(context, window) keys, gathered from its block
+    table and padded to the longest (padding masked). Faster than a row at a time; not
+    batch-invariant (a row's reduction length is the batch's), so deterministic mode
+    attends rows alone (attend_rows)."""
+    B, Hq, D = q.shape
+    Hkv = kf.shape[1]
+    ctx = context_lens.long()
+    span = ctx.clamp(max=window) if window else ctx
+    L = int(span.max())
+    pos = (ctx - span).unsqueeze(1) + torch.arange(L, device=q.device).unsqueeze(0)  # [B, L]
+    seen = pos < ctx.unsqueeze(1)
+    pos = torch.minimum(pos, (ctx - 1).unsqueeze(1))
+    slots = (block_tables.long().gather(1, pos // block_size) * block_size
+             + pos % block_size)
+    ks, vs = kf[slots].float(), vf[slots].float()                    # [B, L, Hkv, D]
+    s = torch.einsum("bhgd,blhd->bhgl", q.float().view(B, Hkv, Hq // Hkv, D), ks) * scale
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    p = torch.softmax(s.masked_fill_(~seen[:, None, None, :], float("-inf")), dim=-1)
+    return torch.einsum("bhgl,blhd->bhgd", p, vs).reshape(B, Hq, D).to(q.dtype)

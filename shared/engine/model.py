@@ -24,7 +24,7 @@ from kernels.paged_attention import paged_attention_decode, plan_decode
 
 from .head import SplitHead
 from .loader import ModelConfig, load_weights
-from .masked_attention import attend_rows, table_slots
+from .masked_attention import attend_decode, attend_rows, table_slots
 from .quant import quantize_weight, weight_nbytes
 from .archs import ACTIVATIONS
 from .rope import rope_cos_sin
@@ -80,6 +80,7 @@ class Model:
         self.device = self.embed.device
         self.norm = self._norm_weight(weights["model.norm.weight"])
         self.gelu = ACTIVATIONS.get(cfg.act)      # None: SiLU; else torch's gelu approximate
+        self.batched_decode = True     # masked layers' decode rows in one batch (bench: off)
         head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
         qh = lambda t: quantize_weight(t, quantize, head=True, a8=act_int8)  # noqa: E731
         self.lm_head = SplitHead(head, qh) if head_split and quantize else qh(head)
@@ -292,14 +293,20 @@ class Model:
         return out
 
     def masked_attention(self, q, k_cache, v_cache, meta: BatchMeta, window: int):
-        """A sliding-window or soft-capped layer's attention (masked_attention.py): every
-        decode row, and every row of a deterministic-mode span, alone."""
+        """A sliding-window or soft-capped layer's attention (masked_attention.py): decode
+        rows in one batch (each alone in deterministic mode, and with batched_decode off),
+        every row of a deterministic-mode span alone."""
         Hkv, D = self.cfg.num_kv_heads, self.cfg.head_dim
         kf, vf = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)
         att = lambda rows, slots, ctx: attend_rows(  # noqa: E731
             rows, kf, vf, slots, ctx, self.scale, window, self.cfg.attn_softcap)
         out = torch.zeros_like(q)
-        for b in range(meta.num_decode):
+        nd = meta.num_decode
+        batched = self.batched_decode and not meta.pad_logits_to
+        if nd and batched:
+            out[:nd] = attend_decode(q[:nd], kf, vf, meta.block_tables, meta.context_lens,
+                                     k_cache.shape[1], self.scale, window, self.cfg.attn_softcap)
+        for b in range(0 if batched else nd):
             ctx = int(meta.context_lens[b])
             out[b:b + 1] = att(q[b:b + 1], table_slots(meta.block_tables[b], ctx,
                                                        k_cache.shape[1]), ctx)
