@@ -28,7 +28,8 @@ DEFAULTS: dict[str, Any] = dict(
     nats_port=0, nats_http_port=None, nats_host="127.0.0.1", nats_cluster=1, nats_auth=True,
     tls=False,
     served_model_name=None, max_model_len=None, dtype="auto", quantization="int4",
-    act_int8=False, chat_template=None, tool_call_parser="auto", enable_prefix_caching=None, api_key=None,
+    act_int8=False, chat_template=None, tool_call_parser="auto", enable_prefix_caching=None,
+    api_key=None,
     deterministic=None, mode=None, threads="auto", no_kvstore=False, extra_env=None,
     set=None, log_dir=None, startup_timeout=300.0, restart_limit=5, restart_window=60.0)
 

@@ -16,8 +16,15 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .archs import (ARCHS, activation, context_window, layer_windows, moe_layers, refusals,
-                    rotary_fraction)
+from .archs import (
+    ARCHS,
+    activation,
+    context_window,
+    layer_windows,
+    moe_layers,
+    refusals,
+    rotary_fraction,
+)
 
 
 class CheckpointError(ValueError):

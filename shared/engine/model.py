@@ -22,11 +22,11 @@ from kernels.cpu_ops import load as cpu_ops_loaded, row_attention, rows_attentio
 from kernels.kv_cache import plan_slots, write_kv
 from kernels.paged_attention import paged_attention_decode, plan_decode
 
+from .archs import ACTIVATIONS
 from .head import SplitHead
 from .loader import ModelConfig, load_weights
 from .masked_attention import attend_decode, attend_rows, table_slots
 from .quant import quantize_weight, weight_nbytes
-from .archs import ACTIVATIONS
 from .rope import rope_cos_sin
 from .smooth import CALIBRATION_TOKENS, Observed, SmoothedWeight, smoothing
 

@@ -6,7 +6,6 @@ import torch
 
 from .loader import CheckpointError, ModelConfig
 
-
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 

@@ -18,9 +18,11 @@ def det_overrides(**decode) -> dict:
             "prefill": ENGINE_SHAPES | {"ack_wait_s": 3.0}}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def mesh(tiny_target):
-    """One prefill, one decode, deterministic mode, tiny model (module-scoped)."""
+    """One prefill, one decode, deterministic mode, tiny model: one for the whole session,
+    shared by every module that only sends it requests (a module that changes a mesh, or
+    needs other settings, starts its own)."""
     # PDMESH_FAULT_DROP_CONSTRAINT=1 (manual runs only) shows the constraint tests failing
     faults = {"fault_drop_constraint_in_job": True} if os.environ.get(
         "PDMESH_FAULT_DROP_CONSTRAINT") else {}

@@ -20,7 +20,6 @@ from tests.engine.test_archs import checkpoint
 from .conftest import DET, det_overrides, reference_engine
 from .helpers import complete, micro_stats
 
-
 SHAPES = {
     "glm4": ("Glm4Config", dict(head_dim=16, attention_bias=True)),
     "gemma2": ("Gemma2Config", dict(head_dim=32, sliding_window=4, query_pre_attn_scalar=24,

@@ -11,21 +11,13 @@ import json
 import aiohttp
 import pytest
 
-from pdmesh.local.cluster import Cluster
 from shared.contracts.sampling import SamplingParams
 
-from .conftest import DET, det_overrides, reference_engine
+from .conftest import reference_engine
 from .helpers import micro_stats
 
 ORDERS = [("colocated", "pd"), ("pd", "colocated"), ("pd", "pd"), ("colocated", "colocated")]
 MAX_TOKENS = 8
-
-
-@pytest.fixture(scope="module")
-def mesh(tiny_target):
-    with Cluster(str(tiny_target), prefill=1, decode=1, **DET, overrides=det_overrides(),
-                 echo=False) as c:
-        yield c
 
 
 async def complete(url: str, prompt: list[int], path: str) -> tuple[list[int], int]:

@@ -13,20 +13,12 @@ import aiohttp
 import openai
 import pytest
 
-from pdmesh.local.cluster import Cluster
 from shared.contracts.sampling import SamplingParams
 
-from .conftest import DET, ENGINE_SHAPES, det_overrides, reference_engine
+from .conftest import ENGINE_SHAPES, reference_engine
 from .helpers import micro_stats
 
 CHUNK = ENGINE_SHAPES["chunk_size"]       # deterministic mode shares whole chunks
-
-
-@pytest.fixture(scope="module")
-def mesh(tiny_target):
-    with Cluster(str(tiny_target), prefill=1, decode=1, **DET, overrides=det_overrides(),
-                 echo=False) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import torch
 from shared.contracts.sampling import SamplingParams
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
-from shared.engine.loader import CheckpointError, load_config
+from shared.engine.loader import CheckpointError
 
 from .test_parity import LOGIT_ATOL, engine_logits, hf_logits, hf_model
 

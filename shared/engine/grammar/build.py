@@ -12,8 +12,9 @@ history token for token (tool calls in the format the constraint names, toolform
     tool call       hermes       <tool_call>\n{"name": "NAME", "arguments": ARGS}\n</tool_call>
                     llama3_json  {"name": "NAME", "parameters": ARGS}
                     mistral      [TOOL_CALLS][{"name": "NAME", "arguments": ARGS}, ...]
-                    glm45        <tool_call>NAME\n(<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n)*
-                                 </tool_call>, properties in schema order, strings raw
+                    glm45        <tool_call>NAME\n then per property
+                                 <arg_key>K</arg_key>\n<arg_value>V</arg_value>\n, then
+                                 </tool_call>; properties in schema order, strings raw
     tools_required  call (SEP call)*    (exactly one call when parallel_tool_calls is false;
                     SEP "\n", Llama 3's "; ", Mistral's ", " inside one [...])
     tool_named      one call to that tool
