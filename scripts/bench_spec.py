@@ -57,12 +57,13 @@ def chat_prompts(tok, n: int, seed: int = 7) -> list[list[int]]:
     return out
 
 
-def make_engine(args, k: int, adaptive: bool = True, max_batch: int = 0) -> LLMEngine:
+def make_engine(args, k: int, adaptive: bool = True, max_batch: int = 0,
+                method: str = "") -> LLMEngine:
     eng = LLMEngine(EngineConfig(
         model=args.model, dtype=args.dtype, num_blocks=2048, block_size=16, max_num_seqs=8,
-        max_num_batched_tokens=512, chunk_size=512, threads=1,
-        draft_model=args.draft if k else None, num_speculative_tokens=k,
-        spec_adaptive=adaptive, spec_max_batch=max_batch))
+        max_num_batched_tokens=512, chunk_size=512, threads=1, quantize=args.quantize,
+        draft_model=args.draft if k and not method else "", spec_method=method,
+        num_speculative_tokens=k, spec_adaptive=adaptive, spec_max_batch=max_batch))
     eng.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
     return eng
 
@@ -163,6 +164,11 @@ def main() -> None:
     ap.add_argument("--limited", type=int, nargs="*", default=[4],
                     help="also these k adaptive with spec_max_batch = --max-batch")
     ap.add_argument("--max-batch", type=int, default=4)
+    ap.add_argument("--ngram", type=int, nargs="*", default=[],
+                    help="also these k with model-free n-gram drafts (spec_method ngram)")
+    ap.add_argument("--ngram-limited", action="store_true",
+                    help="also each --ngram k with spec_max_batch = --max-batch")
+    ap.add_argument("--quantize", default="", help="the engines' weights: '' | int8 | int4")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=8, help="per kind at concurrency 1")
     ap.add_argument("--rounds", type=int, default=3, help="of c requests at concurrency 4 and 8")
@@ -173,17 +179,25 @@ def main() -> None:
     tok = Tokenizer.from_pretrained(args.model)
     sets = {"code": [tok.encode(p) for p in CODE_PROMPTS[:args.prompts]],
             "chat": chat_prompts(tok, args.prompts)}
-    engines = {"plain": make_engine(args, 0)} | {f"k={k}": make_engine(args, k) for k in args.k}
-    engines |= {f"k={k} max_batch={args.max_batch}": make_engine(args, k, max_batch=args.max_batch)
-                for k in args.limited}
-    engines |= {f"k={k} fixed": make_engine(args, k, adaptive=False) for k in args.fixed}
+    drafted = args.draft != "none"
+    engines = {"plain": make_engine(args, 0)}
+    if drafted:
+        engines |= {f"k={k}": make_engine(args, k) for k in args.k}
+        engines |= {f"k={k} max_batch={args.max_batch}":
+                    make_engine(args, k, max_batch=args.max_batch) for k in args.limited}
+        engines |= {f"k={k} fixed": make_engine(args, k, adaptive=False) for k in args.fixed}
+    engines |= {f"ngram k={k}": make_engine(args, k, method="ngram") for k in args.ngram}
+    engines |= {f"ngram k={k} max_batch={args.max_batch}":
+                make_engine(args, k, max_batch=args.max_batch, method="ngram")
+                for k in args.ngram if args.ngram_limited}
     log(f"{Path(args.model).name} + {Path(args.draft).name}, {args.dtype}, threads "
         f"{torch.get_num_threads()}, engines {list(engines)}, {args.max_tokens} tokens")
     runs = {}
     for kind, prompts in sets.items():
         log(f"{kind}: {len(prompts)} prompts")
         runs[kind] = bench(engines, prompts, args.max_tokens, args.rounds, kind)
-    res = {"model": Path(args.model).name, "draft": Path(args.draft).name, "dtype": args.dtype,
+    res = {"model": Path(args.model).name, "draft": Path(args.draft).name if drafted else
+           "ngram", "dtype": args.dtype, "quantize": args.quantize,
            "threads": torch.get_num_threads(), "max_tokens": args.max_tokens,
            "prompts_per_kind": args.prompts, "rounds_c4_c8": args.rounds, "k": args.k,
            "runs": runs}

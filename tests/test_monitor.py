@@ -38,7 +38,7 @@ def test_low_accept_length_fires_once_after_the_token_gate():
         if r:
             fired.append((r, 1 + i))
     assert fired == [(Rule.LOW_ACCEPT_LENGTH, 129)]
-    assert mon.counts == {Rule.LOW_ACCEPT_LENGTH: 1, Rule.HIGH_ACCEPT_RATE: 0}
+    assert mon.counts == {Rule.LOW_ACCEPT_LENGTH: 1, Rule.HIGH_ACCEPT_RATE: 0, Rule.REPETITION: 0}
 
 
 def test_healthy_request_stays_quiet():
@@ -124,3 +124,33 @@ def test_thresholds_come_from_the_drafts_calibration_unless_set(tiny_target, tin
     assert flag.accept_length_low == 1.4
     none = config().monitor_config()
     assert (none.accept_length_low, none.accept_rate_high) == (1.4, 0.96)
+
+
+def test_a_loop_fires_repetition_once_its_window_is_one_span_repeated():
+    """"la femme, la femme, ..." as tokens: quiet while the window holds anything else,
+    fires once the last 128 tokens are a 3-token span over and over, and only once."""
+    mon = AnomalyMonitor(MonitorConfig(spec_rules=False))
+    text = list(range(100, 160))                    # an answer, then a loop
+    loop = [7, 8, 9] * 80
+    fired = [(i, r) for i, t in enumerate(text + loop) if (r := mon.observe_tokens("a", [t]))]
+    assert fired == [(len(text) + 128 - 1, Rule.REPETITION)]
+    assert mon.stats("a").period == 3 and mon.counts[Rule.REPETITION] == 1
+
+
+def test_repetitive_but_not_looping_text_is_quiet():
+    """Code repeats itself (a table of similar lines) without one span repeating: a line
+    that differs anywhere (a counter) breaks the period, and spans longer than
+    repeat_max_period do not count."""
+    mon = AnomalyMonitor(MonitorConfig(spec_rules=False))
+    rows = [t for i in range(60) for t in (11, 12, 13, 1000 + i, 14)]      # x[i] = i rows
+    long_span = list(range(200, 240)) * 6                                    # 40-token span
+    assert not any(mon.observe_tokens("code", [t]) for t in rows)
+    assert not any(mon.observe_tokens("long", [t]) for t in long_span)
+    off = AnomalyMonitor(MonitorConfig(repeat_window=0))
+    assert not any(off.observe_tokens("a", [7]) for _ in range(300))
+
+
+def test_repetition_holds_without_speculation_and_the_spec_rules_do_not():
+    mon = AnomalyMonitor(MonitorConfig(spec_rules=False))
+    assert all(mon.observe("a", 4, 0, 1, 1 + i) is None for i in range(300))   # n-gram drafts
+    assert mon.observe_tokens("b", [5] * 128) == Rule.REPETITION

@@ -12,7 +12,7 @@ import pytest
 
 from pdmesh import cli
 from pdmesh.local.cluster import Cluster
-from pdmesh.local.serve_args import cluster_kwargs
+from pdmesh.local.serve_args import SPECULATION, cluster_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,21 +29,26 @@ def pdmesh(*args: str) -> subprocess.CompletedProcess:
 def test_bare_up_runs_the_fast_configuration():
     kw = kwargs("up")
     assert kw["threads"] == "auto"
-    assert kw["overrides"] == {"decode": {"quantize": "int4", "head_split": True},
+    assert kw["overrides"] == {"decode": {"quantize": "int4", "head_split": True} | SPECULATION,
                                "prefill": {"quantize": "int4"}}
     assert kwargs("serve") == kw
     c = Cluster(**(kw | {"model": "unused", "echo": False}))   # argv only, not started
     argv = c._new_proc("decode").argv
     assert argv[argv.index("--quantize") + 1] == "int4" and "--head-split" in argv
+    assert argv[argv.index("--spec-method") + 1] == "ngram"
+    assert argv[argv.index("--spec-max-batch") + 1] == "2"
+    assert kwargs("up", "--no-speculation")["overrides"]["decode"] == {"quantize": "int4",
+                                                                     "head_split": True}
     assert "--act-int8" not in argv and "--smoothquant" not in argv
 
 
 def test_quantization_none_is_the_unquantized_dtype():
     o = kwargs("up", "--quantization", "none")["overrides"]
-    assert o == {"decode": {"quantize": "", "head_split": False}, "prefill": {"quantize": ""}}
+    assert o == {"decode": {"quantize": "", "head_split": False} | SPECULATION,
+                 "prefill": {"quantize": ""}}
     o = kwargs("up", "--act-int8", "--dtype", "float32")["overrides"]
     assert o["decode"] == {"quantize": "int4", "head_split": True, "act_int8": True,
-                           "smoothquant": True, "dtype": "float32"}
+                           "smoothquant": True, "dtype": "float32"} | SPECULATION
 
 
 def test_serve_takes_vllm_flags_and_the_command_line_wins_over_the_file(tmp_path):
@@ -59,7 +64,7 @@ def test_serve_takes_vllm_flags_and_the_command_line_wins_over_the_file(tmp_path
     assert kw["overrides"] == {
         "gateway": {"api_key": "a,b", "served_model_name": "tiny", "max_model_len": 512},
         "decode": {"max_model_len": 512, "quantize": "", "head_split": False,
-                   "num_blocks": 64, "prefix_cache": False},
+                   "num_blocks": 64, "prefix_cache": False} | SPECULATION,
         "prefill": {"max_model_len": 512, "quantize": "", "prefix_cache": False}}
     # the file's service tables win over the defaults; --set over everything
     o = kwargs("serve", "--config", str(f), "--set", "decode.num_blocks=8")["overrides"]

@@ -29,8 +29,8 @@ DEFAULTS: dict[str, Any] = dict(
     tls=False,
     served_model_name=None, max_model_len=None, dtype="auto", quantization="int4",
     act_int8=False, chat_template=None, tool_call_parser="auto", enable_prefix_caching=None,
-    api_key=None,
-    deterministic=None, mode=None, threads="auto", no_kvstore=False, extra_env=None,
+    api_key=None, deterministic=None, mode=None, speculation=True, threads="auto",
+    no_kvstore=False, extra_env=None,
     set=None, log_dir=None, startup_timeout=300.0, restart_limit=5, restart_window=60.0)
 
 QUANTIZATION_HELP = (
@@ -127,6 +127,11 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
          help="batch-invariant decoding")
     _add(model, "--mode", choices=("auto", "pd", "colocated"), shown="auto",
          help="decode placement")
+    _add(model, "--speculation", action=argparse.BooleanOptionalAction, shown="on",
+         help="decode drafts up to 4 tokens from the text's own earlier tokens (n-gram, "
+              "no draft model; vLLM's ngram) while at most 2 sequences decode, verified by "
+              "the model: greedy output unchanged (a draft model: --set "
+              "decode.draft_model=DIR)"),
     _add(model, "--threads", type=parse_threads, metavar="N|auto",
          help="torch threads per engine instance; auto: the host's cores divided among the "
               "prefill and decode instances (a service's own, --set decode.threads=N, wins)")
@@ -187,6 +192,13 @@ def _quantization(q: str) -> Overrides:
     return merge(_engines(quantize=q), {"decode": {"head_split": bool(q)}})
 
 
+# --speculation (pdmesh up's default and compose.yaml's): n-gram drafts, k <= 4, while at
+# most 2 sequences decode. SmolLM2-135M int4, one thread, one run: code c=1 1.28x, chat
+# 1.25x; c=4/8 0.99-1.00x (without the batch limit the bandit's probes cost 2-10% there)
+# (docs/bench/spec_SmolLM2-135M-Instruct.json)
+SPECULATION = {"spec_method": "ngram", "num_speculative_tokens": 4, "spec_max_batch": 2}
+
+
 # what each flag stands for in the services' settings (a flag that is not here is the
 # launcher's own: counts, ports, ...)
 FLAG_SETTINGS: dict[str, Callable[[Any], Overrides]] = {
@@ -203,6 +215,7 @@ FLAG_SETTINGS: dict[str, Callable[[Any], Overrides]] = {
     "enable_prefix_caching": lambda on: _engines(prefix_cache=on) if on is not None else {},
     "deterministic": lambda on: _engines(deterministic=True) if on else {},
     "mode": lambda m: {"decode": {"mode": m}} if m else {},
+    "speculation": lambda on: ({"decode": SPECULATION} if on else {}),
     "threads": lambda t: _engines(threads=t) if t != "auto" else {},
 }
 

@@ -73,10 +73,16 @@ class DecodeConfig:
         "help": "a prompt decode computed itself (colocated) goes to kvstore, so the next "
                 "request with its prefix hits on either path: write_through | "
                 "write_through_selective | none"})
-    # anomaly monitor (invariant 5): only when speculating (draft_model set)
+    # anomaly monitor (invariant 5): acceptance rules while a draft model speculates,
+    # the repetition rule always
     monitor: bool = field(default=True, metadata={
-        "help": "abort a request whose speculative acceptance looks like corrupted state; "
-                "the gateway re-dispatches it"})
+        "help": "abort a request whose speculative acceptance looks like corrupted state, or "
+                "whose output loops; the gateway re-dispatches it (a loop with a fresh sample)"})
+    monitor_repeat_window: int = field(default=128, metadata={
+        "help": "repetition: the last this many generated tokens one span repeated "
+                "(0: the rule off)"})
+    monitor_repeat_max_period: int = field(default=32, metadata={
+        "help": "repetition: the longest span (tokens) whose repeats count as a loop"})
     monitor_accept_length_low: float = field(default=0.0, metadata={
         "help": "low_accept_length: mean accept length (accepted + steps) / steps below this "
                 "(0: the draft folder's monitor.json calibration, else 1.4)"})
@@ -119,4 +125,9 @@ class DecodeConfig:
                              accept_rate_high=(self.monitor_accept_rate_high
                                                or cal.get("accept_rate_high", 0.96)),
                              min_proposed_high=self.monitor_min_proposed_high,
-                             enabled=self.monitor)
+                             enabled=self.monitor,
+                             # n-gram acceptance measures how much text repeats itself,
+                             # not the state: only a draft model's acceptance is judged
+                             spec_rules=bool(self.engine.draft_model) and self.engine.speculative,
+                             repeat_window=self.monitor_repeat_window,
+                             repeat_max_period=self.monitor_repeat_max_period)

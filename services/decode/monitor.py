@@ -14,7 +14,14 @@ Rules (each request fires at most once, the first rule that holds):
                         short clean outputs (a few steps that all happen to match) quiet; its
                         default, 128, matches min_tokens_low.
 
+    repetition          the last repeat_window generated tokens are one span of at most
+                        repeat_max_period tokens over and over (each token equals the
+                        one a period before it): a degenerate loop ("la femme, la femme,
+                        ..."), whatever drafts or does not. Judged from the tokens, so it
+                        holds with speculation off too.
+
 A step that proposed nothing is not a verification step: it updates generated_total only.
+The speculative rules (the first two) apply only while speculating (spec_rules).
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ from dataclasses import dataclass, field
 class Rule(enum.StrEnum):
     LOW_ACCEPT_LENGTH = "low_accept_length"
     HIGH_ACCEPT_RATE = "high_accept_rate"
+    REPETITION = "repetition"
 
 
 RULES = tuple(Rule)
@@ -37,6 +45,9 @@ class MonitorConfig:
     accept_rate_high: float = 0.96
     min_proposed_high: int = 128      # high_accept_rate: proposed drafts first (at least)
     enabled: bool = True
+    spec_rules: bool = True           # the acceptance rules (only while speculating)
+    repeat_window: int = 128          # repetition: tokens judged (0: the rule off)
+    repeat_max_period: int = 32       # repetition: the longest span that may repeat
 
     def __post_init__(self):
         if self.min_tokens_low < 0 or self.min_proposed_high < 1:
@@ -46,6 +57,11 @@ class MonitorConfig:
                              f"token), got {self.accept_length_low}")
         if not 0.0 < self.accept_rate_high <= 1.0:
             raise ValueError(f"accept_rate_high must be in (0, 1], got {self.accept_rate_high}")
+        if self.repeat_window < 0 or not 1 <= self.repeat_max_period:
+            raise ValueError("repeat_window must be >= 0 and repeat_max_period >= 1")
+        if self.repeat_window and self.repeat_window < 2 * self.repeat_max_period:
+            raise ValueError("repeat_window must be at least twice repeat_max_period (a span "
+                             "repeats at least twice in it)")
 
 
 @dataclass(slots=True)
@@ -56,6 +72,8 @@ class RequestSpecStats:
     emitted: int = 0        # tokens emitted by verification steps (accepted + correction/bonus)
     generated: int = 0      # latest generated_total (all output tokens, speculative or not)
     fired: str | None = None
+    tail: list[int] = field(default_factory=list)   # the last generated tokens (repetition)
+    period: int = 0         # the repeating span's length when repetition fired
 
     @property
     def accept_length(self) -> float:
@@ -107,8 +125,26 @@ class AnomalyMonitor:
         st.emitted, st.generated = accepted + steps, generated_total
         return self._check(st)
 
+    def observe_tokens(self, request_id: str, new_ids) -> str | None:
+        """Tokens a step generated; the repetition rule over the last repeat_window.
+        Returns a rule the first time one fires for this request."""
+        c = self.config
+        if not c.enabled or not c.repeat_window:
+            return None
+        st = self._stats.setdefault(request_id, RequestSpecStats())
+        if st.fired is not None:
+            return None
+        st.tail = (st.tail + list(new_ids))[-c.repeat_window:]
+        if len(st.tail) < c.repeat_window:
+            return None
+        st.period = loop_period(st.tail, c.repeat_max_period)
+        if st.period:
+            st.fired = Rule.REPETITION
+            self.counts[st.fired] += 1
+        return st.fired
+
     def _check(self, st: RequestSpecStats) -> str | None:
-        if st.fired is not None or not st.steps:
+        if st.fired is not None or not st.steps or not self.config.spec_rules:
             return None
         st.fired = self._rule(st)
         if st.fired is not None:
@@ -132,3 +168,14 @@ class AnomalyMonitor:
         if st.proposed >= c.min_proposed_high and st.accept_rate > c.accept_rate_high:
             return Rule.HIGH_ACCEPT_RATE
         return None
+
+
+def loop_period(tail: list[int], max_period: int) -> int:
+    """The shortest p <= max_period with tail[i] == tail[i - p] for every i >= p (the
+    whole tail one span repeated), or 0."""
+    n = len(tail)
+    for p in range(1, min(max_period, n // 2) + 1):
+        # from the end: a tail that is not a loop differs near its end, so this stops early
+        if all(tail[i] == tail[i - p] for i in range(n - 1, p - 1, -1)):
+            return p
+    return 0

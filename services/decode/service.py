@@ -89,8 +89,8 @@ class DecodeService:
         self.accepting = True
         self.counters = {"pd": 0, "colocated": 0, "kv_writes_applied": 0, "kv_writes_fenced": 0,
                          "kv_bytes": 0}
-        speculating = self.engine.cfg.speculative and cfg.monitor
-        self.monitor = AnomalyMonitor(cfg.monitor_config()) if speculating else None
+        # the repetition rule always; the acceptance rules while speculating
+        self.monitor = AnomalyMonitor(cfg.monitor_config()) if cfg.monitor else None
         self.injected = inject.install(self, cfg.faults)   # TEST ONLY wrappers, if any
         self.reclaimer = Reclaimer(self.iid, self.table, self.slots, None, self.rt.spawn,
                                    cfg.reclaim_timeout_s, self._forget, self.wake.set)

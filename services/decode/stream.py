@@ -13,7 +13,7 @@ from shared.contracts.messages import AbortReason, AnomalyEvent, FinishReason, P
 from shared.engine.output import RequestOutput
 
 from .lifecycle import RequestTable
-from .monitor import AnomalyMonitor
+from .monitor import AnomalyMonitor, Rule
 from .peers import DecodePeers
 from .reclaim import Reclaimer
 from .request import DecodeRequest
@@ -42,8 +42,9 @@ class TokenStream:
         if r is None or not r.live:
             return
         if self.monitor is not None:
-            rule = self.monitor.observe_totals(o.request_id, o.spec_steps, o.spec_proposed,
-                                               o.spec_accepted, o.num_output_tokens)
+            rule = (self.monitor.observe_tokens(o.request_id, o.new_token_ids)
+                    or self.monitor.observe_totals(o.request_id, o.spec_steps, o.spec_proposed,
+                                                   o.spec_accepted, o.num_output_tokens))
             if rule is not None:   # this output's tokens are not sent: they are suspect
                 await self.on_anomaly(o, rule)
                 return
@@ -91,11 +92,15 @@ class TokenStream:
         log.warning("%s: anomaly %s (accept length %.2f, accept rate %.3f, %d tokens); "
                     "aborting", o.request_id, rule, ev.accept_length, ev.accept_rate,
                     ev.generated_tokens)
-        await self.fail(o.request_id, ErrorCode.ANOMALY,
-                        f"speculative decoding acceptance anomaly ({rule}: accept length "
-                        f"{ev.accept_length:.2f}, accept rate {ev.accept_rate:.3f} after "
-                        f"{ev.generated_tokens} tokens); the output is discarded",
-                        reason=AbortReason.ANOMALY, rule=rule)
+        if rule == Rule.REPETITION:
+            why = (f"repetition: the last {len(st.tail)} tokens repeat a {st.period}-token "
+                   f"span after {ev.generated_tokens} tokens")
+        else:
+            why = (f"speculative decoding acceptance anomaly ({rule}: accept length "
+                   f"{ev.accept_length:.2f}, accept rate {ev.accept_rate:.3f} after "
+                   f"{ev.generated_tokens} tokens); the output is discarded")
+        await self.fail(o.request_id, ErrorCode.ANOMALY, why, reason=AbortReason.ANOMALY,
+                        rule=rule)
         try:
             await self.peers.anomaly(ev)
         except Exception as e:  # noqa: BLE001 - the request is handled; only the event is lost

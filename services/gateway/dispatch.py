@@ -30,6 +30,7 @@ Life cycle of a request:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import time
@@ -80,6 +81,7 @@ class Submission:
     resume_from: int = 0       # migration: trailing prompt tokens that are output so far
     cache_salt: str = ""       # the tenant's prefix-cache salt (auth.cache_salt)
     prefer: str | None = None  # tried first if alive (n > 1: choice 0's instance, choices.py)
+    seeded: bool = False       # the client chose the seed: the same tokens wherever it runs
 
 
 @dataclass(slots=True)
@@ -168,21 +170,32 @@ class DecodeClient:
     async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      constraint: Constraint, force_path: str | None = None,
                      cache_salt: str = "", prefer: str | None = None) -> Dispatch:
-        if params.seed is None:
+        seeded = params.seed is not None
+        if not seeded:
             params = msgspec.structs.replace(params, seed=self._rng.getrandbits(63))
         return await self.send(Submission(request_id, prompt_ids, params, constraint,
                                            Path(force_path) if force_path else None,
-                                           cache_salt=cache_salt, prefer=prefer))
+                                           cache_salt=cache_salt, prefer=prefer,
+                                           seeded=seeded))
 
-    async def redispatch(self, d: Dispatch) -> Dispatch | None:
+    async def redispatch(self, d: Dispatch, fresh_sample: bool = False) -> Dispatch | None:
         """d was aborted for an acceptance anomaly: the same submission to an instance
-        that has not had it. None when d's request was already re-dispatched
-        max_redispatch times, or no such instance takes it (the caller then reports the
-        anomaly)."""
+        that has not had it. fresh_sample (a repetition loop: the output, not the
+        instance, went wrong): a new seed, on any instance; None for a greedy or
+        client-seeded request, which would loop again. None too when d's request was
+        already re-dispatched max_redispatch times, or no instance takes it (the caller
+        then reports the anomaly)."""
         if d.redispatches >= self.max_redispatch:
             return None
+        sub = d.sub
+        if fresh_sample:
+            if sub.params.greedy or sub.seeded:
+                return None
+            sub = dataclasses.replace(
+                sub, request_id=f"{sub.request_id}.r{d.redispatches + 1}", tried=set(),
+                params=msgspec.structs.replace(sub.params, seed=self._rng.getrandbits(63)))
         try:
-            nd = await self.send(d.sub)
+            nd = await self.send(sub)
         except OpenAIError as e:
             log.warning("%s: re-dispatch failed: %s", d.sub.request_id, e.message)
             return None

@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import Callable
 
+import msgspec
 from aiohttp import web
 
 from shared.contracts.common import ErrorCode
@@ -70,6 +71,7 @@ class Answer:
         self.reported = 0           # decode's cumulative count, when it sends one
         self.cached_tokens = 0      # prompt tokens served from a prefix cache
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
         self.chat_lp: list[dict] = []
         self.cmpl_lp: dict | None = None
         self.lp_offset = 0          # completions logprobs text_offset
@@ -101,6 +103,7 @@ class Answer:
             self.spec = (chunk.spec_steps, chunk.spec_proposed, chunk.spec_accepted)
         if chunk.finished:
             self.finish_reason = chunk.finish_reason
+            self.stop_reason = chunk.stop_reason
             self.metrics.prompt_tokens.inc(self.prompt_tokens)
             self.metrics.cached_tokens.inc(self.cached_tokens)
             if self.spec[0]:
@@ -166,14 +169,26 @@ async def next_chunk(client: DecodeClient, ans: Answer, deadline: float,
             return c
         ans.metrics.anomaly_aborts.inc(rule=c.anomaly_rule or "unknown")
         ans.d.finished = True                   # decode ended it: no abort to send
-        nd = None if ans.sent else await client.redispatch(ans.d)
+        loop = c.anomaly_rule == REPETITION
+        nd = None if ans.sent else await client.redispatch(ans.d, fresh_sample=loop)
         if nd is None:
-            return c
+            # a loop is the model's output, not wrong state: what came before it stands,
+            # cut short (finish_reason "length", stop_reason "repetition")
+            return cut_short(c) if loop else c
         log.info("%s: anomaly (%s) on %s; re-dispatched to %s", ans.rid, c.anomaly_rule,
                  ans.d.instance, nd.instance)
         ans.metrics.redispatches.inc()
         client.release(ans.d)
         ans.restart(nd)
+
+
+REPETITION = "repetition"      # services/decode/monitor.py's Rule.REPETITION
+
+
+def cut_short(c: TokenChunk) -> TokenChunk:
+    """The final chunk of an answer decode cut for a repetition loop."""
+    return msgspec.structs.replace(c, error=None, finished=True,
+                                   finish_reason=FinishReason.LENGTH, stop_reason=REPETITION)
 
 
 async def answer(request: web.Request, client: DecodeClient, d: Dispatch, prep: Prepared,
@@ -219,6 +234,8 @@ def whole_body(ans: Answer, rid: str, created: int) -> dict:
                      ans.all_logprobs())
     if o.return_token_ids:
         body["choices"][0]["token_ids"] = ans.token_ids
+    if ans.stop_reason == REPETITION:      # vLLM's stop_reason field, for why it was cut
+        body["choices"][0]["stop_reason"] = REPETITION
     return body
 
 
@@ -266,13 +283,14 @@ class SseStream:
             await self.write_deltas(ans.parser.finish(), None, None)
             if ans.parser.has_tool_calls:
                 finish = FinishReason.TOOL_CALLS.value
-        await self.resp.write(self.chunk("", finish=finish))
+        await self.resp.write(self.chunk("", finish=finish, stop_reason=ans.stop_reason))
         if o.include_usage:
             await self.resp.write(P.sse(P.usage_chunk(self.rid, self.created, o.model, o.chat,
                                                       ans.usage)))
 
     def chunk(self, text: str, finish: str | None = None, lp: dict | None = None,
-              role: bool = False, ids: list[int] | None = None) -> bytes:
+              role: bool = False, ids: list[int] | None = None,
+              stop_reason: str | int | None = None) -> bytes:
         o = self.o
         if o.chat:
             delta = {"role": "assistant", "content": text} if role else (
@@ -284,6 +302,8 @@ class SseStream:
                                       o.include_usage)
         if o.return_token_ids and ids:
             body["choices"][0]["token_ids"] = ids
+        if stop_reason == REPETITION:
+            body["choices"][0]["stop_reason"] = REPETITION
         return P.sse(body)
 
     async def write(self, data: bytes) -> None:

@@ -62,6 +62,9 @@ class EngineConfig:
         "a layer load slower than this fails (the blocks are recomputed)"))
     draft_model: str = field(default="", metadata=_h(
         "speculative decoding: the draft model's HF folder ('': none)"))
+    spec_method: str = field(default="", metadata=_h(
+        "speculative decoding's drafter: '' (the draft_model, if set) | ngram (drafts from "
+        "the sequence's own earlier tokens, vLLM's ngram / prompt lookup; no model)"))
     num_speculative_tokens: int = field(default=4, metadata=_h(
         "draft tokens verified per decode step at most (0: no speculation)"))
     draft_quantize: str = field(default="int8", metadata=_h(
@@ -96,6 +99,10 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
         if self.num_blocks < 0 or self.kv_cache_mb < 0 or self.threads < 0:
             raise ValueError("num_blocks, kv_cache_mb and threads must be >= 0")
+        if self.spec_method not in ("", "ngram"):
+            raise ValueError(f"spec_method must be '' or 'ngram', got {self.spec_method!r}")
+        if self.spec_method == "ngram" and self.draft_model:
+            raise ValueError("spec_method ngram drafts without a model: drop draft_model")
         if self.spec_max_batch < 0:
             raise ValueError("spec_max_batch must be >= 0 (0: no limit)")
         if self.num_speculative_tokens < 0:
@@ -106,7 +113,8 @@ class EngineConfig:
 
     @property
     def speculative(self) -> bool:
-        return bool(self.draft_model) and self.num_speculative_tokens > 0
+        return (bool(self.draft_model) or self.spec_method == "ngram") and \
+            self.num_speculative_tokens > 0
 
     @property
     def draft_quant(self) -> str:

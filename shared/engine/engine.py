@@ -86,6 +86,10 @@ class LLMEngine:
         self.draft_kv = self.spec = None
         if dc is not None:
             self._start_speculation(dc, num_blocks)
+        elif cfg.speculative:           # spec_method ngram: drafts without a model
+            from .spec.ngram_runner import NgramRunner
+            self.spec = NgramRunner(self)
+            self.scheduler.lookahead = self.spec.lookahead
         self.requests: dict[str, _Req] = {}
         self._arrival, self._rng = itertools.count(), random.Random()
         self.lock = threading.RLock()

@@ -250,7 +250,7 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
 def draft_config(cfg, target):
     """The draft model's config when cfg speculates (None otherwise); it must share the
     target's vocabulary."""
-    if not cfg.speculative:
+    if not cfg.speculative or not cfg.draft_model:
         return None
     from .model_path import resolve
 

@@ -2,7 +2,8 @@
 (SmolLM2-135M-Instruct, converted from the bundled GGUF on first use), and the README's
 request, with no sampling fields, gets a sensible answer: the model card's sampling
 defaults (generation_config.json: temperature 0.2, top_p 0.9) and the default cap on
-generated tokens apply.
+generated tokens apply; speculation (n-gram drafts) and the repetition monitor run, so no
+answer loops to the cap.
 
 At those defaults this Q4_1 model still starts about one answer in five with "L'Étoile"
 instead of "The capital of France is Paris." (its own first-token distribution; plain
@@ -77,8 +78,10 @@ def test_readme_request_on_the_default_model(default_up, smollm2):
     greedy, sampled = asyncio.run(run())
     assert "Paris" in greedy["choices"][0]["message"]["content"], greedy
     answers = [r["choices"][0]["message"]["content"] for r in sampled]
-    for r in sampled:          # the cap: no default request runs on for minutes
-        assert r["usage"]["completion_tokens"] <= 512
+    for r in sampled:
+        # no repetition loop runs on to the 512-token cap (before the repetition monitor,
+        # about one answer in six did): a loop is sampled afresh, or cut short
+        assert r["usage"]["completion_tokens"] <= 300, r
         assert r["choices"][0]["finish_reason"] in ("stop", "length")
     # a quarter at least: P(Paris) is ~0.78 for the engine alone at these defaults (bf16 32/40,
     # int4 31/40 over seeds 0-39), yet a make test run at the int4 default got 7 of 16 and seeds

@@ -34,7 +34,7 @@ def good(sub: DecodeSubmit) -> list[TokenChunk]:
                        finish_reason="length" if i == 2 else None, **SPEC) for i in range(3)]
 
 
-def anomaly(after: int):
+def anomaly(after: int, rule: str = "low_accept_length"):
     def script(sub: DecodeSubmit) -> list[TokenChunk]:
         chunks = [TokenChunk(request_id=sub.request_id, token_ids=[6], text="bad ", seq=i)
                   for i in range(after)]
@@ -42,7 +42,7 @@ def anomaly(after: int):
                          "anomaly", request_id=sub.request_id)
         return chunks + [TokenChunk(request_id=sub.request_id, finished=True,
                                     finish_reason="abort", error=err, seq=after,
-                                    anomaly_rule="low_accept_length")]
+                                    anomaly_rule=rule)]
     return script
 
 
@@ -170,3 +170,49 @@ async def test_redispatch_is_bounded_and_the_client_is_told_to_retry(mesh):
     text = await metrics(http)
     assert "pdmesh_redispatches_total 1" in text
     assert 'pdmesh_anomaly_aborts_total{rule="low_accept_length"} 3' in text
+
+
+async def test_a_loop_is_sampled_afresh_on_any_instance(mesh):
+    """A repetition loop is the output, not the instance: re-dispatched with a new seed
+    (the client set none), and the same instance may take it."""
+    http, d0, d1 = mesh
+    calls = []
+
+    def loop_once(sub):
+        calls.append(sub)
+        return anomaly(after=2, rule="repetition")(sub) if len(calls) == 1 else good(sub)
+    d0.script = d1.script = loop_once
+    body = {k: v for k, v in BODY.items() if k != "seed"}
+    r = await http.post(CHAT, json=body)
+    assert r.status == 200 and (await r.json())["choices"][0]["message"]["content"] == \
+        "good good good "
+    first, again = calls
+    assert again.params.seed != first.params.seed and again.request_id != first.request_id
+    assert 'pdmesh_anomaly_aborts_total{rule="repetition"} 1' in await metrics(http)
+
+
+@pytest.mark.parametrize("fields", [{"seed": 7}, {"temperature": 0}])
+async def test_a_loop_that_would_come_back_is_cut_short_not_failed(mesh, fields):
+    """Greedy or client-seeded, a fresh dispatch would loop again: the answer is what came
+    before the loop, finish_reason "length", stop_reason "repetition" (not a 503)."""
+    http, d0, d1 = mesh
+    d0.script = d1.script = anomaly(after=2, rule="repetition")
+    r = await http.post(CHAT, json=BODY | fields)
+    body = await r.json()
+    assert r.status == 200, body
+    ch = body["choices"][0]
+    assert (ch["message"]["content"], ch["finish_reason"], ch["stop_reason"]) == \
+        ("bad bad ", "length", "repetition")
+    assert len(d0.subs) + len(d1.subs) == 1
+
+
+async def test_a_stream_that_loops_ends_with_length_and_why(mesh):
+    http, d0, d1 = mesh
+    d0.script = anomaly(after=2, rule="repetition")
+    r = await http.post(CHAT, json=BODY | {"stream": True})
+    events = [json.loads(line[6:]) for line in (await r.text()).split("\n\n")
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    assert not any("error" in e for e in events)
+    last = events[-1]["choices"][0]
+    assert (last["finish_reason"], last["stop_reason"]) == ("length", "repetition")
+    assert d1.subs == []
