@@ -63,7 +63,10 @@ def seed(kind: str, n: int = 0) -> int:
 
 @pytest.fixture(scope="module")
 def mesh(tiny_target, tiny_draft):
-    spec = {"draft_model": str(tiny_draft), "num_speculative_tokens": 4} | CALIBRATED
+    # the acceptance rules under test alone: the repetition rule (on by default) would
+    # catch the repeat_loop fault first, at 128 tokens (tests/test_monitor.py covers it)
+    spec = {"draft_model": str(tiny_draft), "num_speculative_tokens": 4,
+            "monitor_repeat_window": 0} | CALIBRATED
     if os.environ.get("PDMESH_FAULT_NO_MONITOR"):   # manual runs only: the guard off
         spec["monitor"] = False
     faulty = {"mode": "pd", "prefix_cache": False, "fault_corrupt_kv": "zero_layer,swap,noise",

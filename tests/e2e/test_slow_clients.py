@@ -30,7 +30,9 @@ IDLE = 80
 
 
 def _overrides(**gateway) -> dict:
-    return det_overrides() | {"gateway": {"api_key": ",".join(KEYS)} | gateway}
+    # streams of thousands of tokens held by clients that never read: no loop may end one
+    return det_overrides(monitor_repeat_window=0) | {
+        "gateway": {"api_key": ",".join(KEYS)} | gateway}
 
 
 async def _complete(http, url, key, **kw):

@@ -35,8 +35,10 @@ def mesh(tiny_target, tmp_path_factory):
     key_file = tmp_path_factory.mktemp("keys") / "api_keys"
     key_file.write_text("# two tenants\n" + "\n".join(KEYS) + "\n")
     with Cluster(str(tiny_target), prefill=1, decode=1, threads=1, echo=False,
-                 overrides={"gateway": {"api_key_file": str(key_file),
-                                        "grammar_timeout_s": 1.0}}) as c:
+                 # 3000-token streams held until the client leaves: no loop may end one
+                 overrides={"decode": {"monitor_repeat_window": 0},
+                            "gateway": {"api_key_file": str(key_file),
+                                                    "grammar_timeout_s": 1.0}}) as c:
         yield c
 
 

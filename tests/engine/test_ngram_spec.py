@@ -66,3 +66,16 @@ def test_a_constrained_request_stays_in_its_grammar(pair):
             text += o.text
     obj = json.loads(text)
     assert set(obj) == {"a", "b"} and isinstance(obj["b"], int)
+
+
+def test_deterministic_mode_with_ngram_drafts_equals_plain_deterministic(tiny_target,
+                                                                       tiny_prompts):
+    """pdmesh up --deterministic speculates too (n-gram drafts, k fixed): each
+    verification row is the row a plain deterministic step computes."""
+    det = dict(deterministic=True, max_num_seqs=8, max_num_batched_tokens=64, chunk_size=32)
+    plain, spec = engine(tiny_target, **det), engine(tiny_target, spec_method="ngram", **det)
+    prompts = [p * 2 for p in tiny_prompts[:4]]
+    for sp in (SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),):
+        assert [o["token_ids"] for o in spec.generate(prompts, sp)] == \
+            [o["token_ids"] for o in plain.generate(prompts, sp)]
+    assert spec.counters["spec_accepted"] > 0
