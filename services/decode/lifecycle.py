@@ -24,7 +24,7 @@ granted and aborted blocks are freed at once (the epoch fence is then the only g
 from __future__ import annotations
 
 import enum
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterator
 
 from .request import DecodeRequest, KvGrant, Outcome, Quarantine, RequestStatus
@@ -45,6 +45,9 @@ class Next(str, enum.Enum):
     FALLBACK = "fallback"        # prefill failed or writes are missing: prefill locally
 
 
+RECENT = 4096     # finished requests remembered for a late acknowledgement
+
+
 class RequestTable:
     def __init__(self, lease_s: float, retry_s: float = 1.0, reclaim_ack: bool = True,
                  keep_latencies: int = 20_000):
@@ -61,6 +64,9 @@ class RequestTable:
         #                                           hazard the reclaim-ack waits out
         # quarantine -> free, seconds (immediate frees are counted in reclaims only)
         self.latencies: deque[float] = deque(maxlen=keep_latencies)
+        # requests that finished (not aborted) lately, with their path: one can finish
+        # before its submission is acknowledged (a fast prefill, max_tokens 1)
+        self.recently_finished: OrderedDict[str, object] = OrderedDict()
 
     # ---- admission ------------------------------------------------------------------
     def admit_remote(self, rid: str, block_ids: list[int], epochs: list[int],
@@ -206,6 +212,9 @@ class RequestTable:
         r = self.records.get(rid)
         if r is not None:
             r.status = RequestStatus.FINISHED
+            self.recently_finished[rid] = r.path
+            while len(self.recently_finished) > RECENT:
+                self.recently_finished.popitem(last=False)
             self._drop_if_done(r)
 
     def abort(self, rid: str, reason: str, now: float) -> Plan:

@@ -221,11 +221,13 @@ class DecodeService:
             await self.queueing.within(rid, self._dispatch(sub, slots),
                                        self.cfg.job_queue_wait_s)
         r = self.table.get(rid)
-        if r is None:         # aborted while its job was being queued: it is gone already
+        path = r.path if r is not None else self.table.recently_finished.get(rid)
+        if path is None:      # aborted while its job was being queued: it is gone already
             raise ServiceError(ErrorCode.ABORTED, "aborted while being admitted", rid)
-        self.counters[r.path.value] += 1
+        # (finished already, its chunks sent: a fast prefill and max_tokens 1)
+        self.counters[path.value] += 1
         self.wake.set()
-        return encode(SubmitAck(request_id=rid, path=r.path, incarnation=self.incarnation))
+        return encode(SubmitAck(request_id=rid, path=path, incarnation=self.incarnation))
 
     def _check_submit(self, sub: DecodeSubmit) -> None:
         if not self.accepting:

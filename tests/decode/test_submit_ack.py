@@ -81,3 +81,29 @@ async def test_a_job_queued_at_once_is_acknowledged_after_it_is_queued(tiny_targ
         assert not mesh.decode.queueing
     finally:
         await mesh.close()
+
+
+class FastPrefill(LocalMesh):
+    """Prefill takes the job the moment it is queued and decode finishes it (one token)
+    before on_submit gets back from queueing it: a fast prefill on an idle mesh."""
+
+    async def queue_job(self, job) -> None:
+        await super().queue_job(job)
+        task, _ = self.run_job()
+        await task
+        await asyncio.wait_for(self.finished[job.request_id].wait(), 30)
+
+
+async def test_a_request_finished_before_its_ack_is_acknowledged_not_refused(tiny_target,
+                                                                            tiny_prompts):
+    """Before, on_submit took a request gone from its table for one aborted while being
+    admitted: the gateway, its chunks already in hand, heard a refusal and answered 503
+    (tests/e2e/test_fuzz_bodies.py, max_tokens 1)."""
+    mesh = FastPrefill(tiny_target)
+    await mesh.start()
+    try:
+        ack = await mesh.submit("one", tiny_prompts[5], max_tokens=1, ignore_eos=True)
+        assert ack.path.value == "pd"
+        assert mesh.decode.table.get("one") is None and len(await mesh.tokens("one")) == 1
+    finally:
+        await mesh.close()
