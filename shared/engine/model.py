@@ -26,6 +26,7 @@ from .archs import ACTIVATIONS
 from .head import SplitHead
 from .loader import ModelConfig, load_weights
 from .masked_attention import attend_decode, attend_rows, table_slots
+from .moe import expert_weights, route
 from .quant import quantize_weight, weight_nbytes
 from .rope import rope_cos_sin
 from .smooth import CALIBRATION_TOKENS, Observed, SmoothedWeight, smoothing
@@ -153,7 +154,7 @@ class Model:
         L.router = L.experts = L.gate_up_w = L.down_w = None
         if cfg.moe_layers and cfg.moe_layers[int(p.split(".")[2])]:
             L.router = w("mlp.gate.weight")       # [E, H], unquantized: it picks experts
-            L.experts = [(q8(gu), q(d)) for gu, d in _experts(weights, p, cfg.num_experts)]
+            L.experts = [(q8(gu), q(d)) for gu, d in expert_weights(weights, p, cfg.num_experts)]
         else:
             L.gate_up_w = q8(_gate_up(weights, p))
             L.down_w = q(w("mlp.down_proj.weight"))
@@ -245,26 +246,8 @@ class Model:
         return linear(gate * up, down_w)
 
     def moe(self, x: torch.Tensor, L: Layer, fixed_m: bool = False) -> torch.Tensor:
-        """A sparse layer (Qwen3-MoE, as transformers routes): softmax over the router's
-        logits in float32, the top experts_per_tok, renormalised when norm_topk_prob; each
-        expert runs once on the rows routed to it, so a step reads only the routed
-        experts' weights. fixed_m (deterministic mode): each expert's rows padded to the
-        batch's fixed M, so a row's result does not depend on which others share it."""
-        cfg = self.cfg
-        probs = torch.softmax(linear(x, L.router), dim=-1, dtype=torch.float)
-        weight, chosen = torch.topk(probs, cfg.experts_per_tok, dim=-1)     # [T, k]
-        if cfg.norm_topk_prob:
-            weight = weight / weight.sum(dim=-1, keepdim=True)
-        weight = weight.to(x.dtype)
-        out = torch.zeros_like(x)
-        for e in chosen.unique().tolist():
-            rows, k = torch.where(chosen == e)
-            xe = x[rows]
-            if fixed_m:
-                xe = torch.cat([xe, xe.new_zeros(x.shape[0] - len(rows), x.shape[1])])
-            y = self.mlp(xe, *L.experts[e])[:len(rows)]
-            out.index_add_(0, rows, y * weight[rows, k, None])
-        return out
+        """A sparse layer (moe.py): the router's logits, then the routed experts."""
+        return route(x, linear(x, L.router), L.experts, self.cfg, self.mlp, fixed_m)
 
     @staticmethod
     def _decode_plan(meta: BatchMeta, kv: torch.Tensor):
@@ -397,19 +380,6 @@ def _gate_up(weights: dict, p: str) -> torch.Tensor:
         return weights[p + "mlp.gate_up_proj.weight"]
     return torch.cat([weights[p + "mlp.gate_proj.weight"],
                       weights[p + "mlp.up_proj.weight"]]).contiguous()
-
-
-def _experts(weights: dict, p: str, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each expert's (gate|up [2I, H], down [H, I]): from the [E, ...] tensors transformers
-    5 saves, or from one set per expert (the Hub's Qwen3-MoE checkpoints)."""
-    fused = weights.get(p + "mlp.experts.gate_up_proj")
-    if fused is not None:
-        down = weights[p + "mlp.experts.down_proj"]
-        return [(fused[e].contiguous(), down[e].contiguous()) for e in range(n)]
-    x = p + "mlp.experts.{}."
-    return [(torch.cat([weights[x.format(e) + "gate_proj.weight"],
-                        weights[x.format(e) + "up_proj.weight"]]).contiguous(),
-             weights[x.format(e) + "down_proj.weight"]) for e in range(n)]
 
 
 def _qkv(weights: dict, p: str) -> torch.Tensor:

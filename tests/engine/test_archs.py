@@ -245,7 +245,7 @@ def test_staggered_requests_equal_alone_in_deterministic_mode(tmp_path, name):
     """Continuous batching changes no token on the paths these add: windowed and
     soft-capped attention (a decode row and a deterministic prompt's row compute alike)
     and expert GEMMs (each padded to the batch's fixed M)."""
-    from .test_batching import params_for
+    from .test_batching import params_for, staggered
 
     cls, fields = CASES[name]
     path = checkpoint(tmp_path / "m", cls, **fields)
@@ -256,16 +256,7 @@ def test_staggered_requests_equal_alone_in_deterministic_mode(tmp_path, name):
     prompts = [torch.randint(3, 500, (5 + 4 * i,), generator=g).tolist() for i in range(8)]
     alone = det()
     want = [alone.generate([p], params_for(i))[0]["token_ids"] for i, p in enumerate(prompts)]
-    eng, got, step = det(), {f"r{i}": [] for i in range(8)}, 0
-    pending = list(range(8))
-    while pending or eng.has_unfinished:
-        if pending and step % 2 == 0:
-            i = pending.pop(0)
-            eng.add_request(f"r{i}", prompts[i], params_for(i))
-        for o in eng.step():
-            got[o.request_id] += o.new_token_ids
-        step += 1
-    assert [got[f"r{i}"] for i in range(8)] == want
+    assert staggered(det(), prompts) == want
 
 
 @pytest.mark.parametrize("name", ["gemma2", "qwen3_moe"])

@@ -21,24 +21,28 @@ def params_for(i: int) -> SamplingParams:
                           max_tokens=8 + 3 * i, ignore_eos=True)
 
 
-def test_sixteen_staggered_requests_equal_alone(tiny_target, tiny_prompts, device):
-    prompts = [tiny_prompts[i] * (1 + i % 4) for i in range(16)]  # mixed lengths
-    alone = det_engine(tiny_target, device)
-    want = [alone.generate([p], params_for(i))[0]["token_ids"] for i, p in enumerate(prompts)]
-
-    eng = det_engine(tiny_target, device)
-    got = {f"r{i}": [] for i in range(16)}
-    step = 0
-    pending = list(range(16))
+def staggered(eng: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt's tokens, a new request joining every other step while others are
+    mid-decode (request i with params_for(i))."""
+    got = {f"r{i}": [] for i in range(len(prompts))}
+    step, pending = 0, list(range(len(prompts)))
     while pending or eng.has_unfinished:
-        # a new request joins every other step, while others are mid-decode
         if pending and step % 2 == 0:
             i = pending.pop(0)
             eng.add_request(f"r{i}", prompts[i], params_for(i))
         for o in eng.step():
             got[o.request_id] += o.new_token_ids
         step += 1
-    assert [got[f"r{i}"] for i in range(16)] == want
+    return [got[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_sixteen_staggered_requests_equal_alone(tiny_target, tiny_prompts, device):
+    prompts = [tiny_prompts[i] * (1 + i % 4) for i in range(16)]  # mixed lengths
+    alone = det_engine(tiny_target, device)
+    want = [alone.generate([p], params_for(i))[0]["token_ids"] for i, p in enumerate(prompts)]
+
+    eng = det_engine(tiny_target, device)
+    assert staggered(eng, prompts) == want
     assert eng.pool.num_used == 0
 
 
