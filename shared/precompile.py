@@ -1,11 +1,11 @@
-"""A request's constraint compiled before the engine takes it: off the event loop (so
-heartbeats and every other handler keep running) and outside the engine lock (so steps
-keep running), with a time limit.
+"""A request's constraint compiled before the engine takes it: off the event loop, the
+engine's owner thread (so heartbeats, every other handler and the steps keep running),
+with a time limit.
 
     await precompile(engine, constraint)     # then engine.add_request / hold: a cache hit
 
-The engine compiles a constraint when it builds the request (LLMEngine._new_seq, under
-its lock, on the caller's thread); doing it here first leaves that a lookup in the
+The engine compiles a constraint when it builds the request (LLMEngine._new_seq, on
+its owner thread); doing it here first leaves that a lookup in the
 GrammarCompiler's cache. A constraint that cannot be served raises ConstraintError (a
 ValueError), one that takes longer than timeout_s a ValueError: both become the
 service's INVALID_REQUEST. The gateway already refused what it could not compile within

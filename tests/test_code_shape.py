@@ -337,15 +337,26 @@ def engine_reaches(rel: Path) -> list[str]:
     return out
 
 
-def test_only_the_engine_touches_its_lock_and_tables():
+def test_only_the_engine_touches_its_tables():
     """Outside shared/engine/ (and tests/), an engine is used through its methods and its
-    KvPort (shared/engine/kv_port.py): nobody else takes its lock or reads its pool,
-    scheduler, request table or prefix cache, so every rule about what may change while
-    a step runs lives in the engine."""
+    KvPort (shared/engine/kv_port.py): nobody else reads its pool, scheduler, request
+    table or prefix cache, so every rule about what may change while a step runs lives
+    in the engine."""
     bad = [line for rel in python_files()
            if rel.parts[0] != "tests" and rel.parts[:2] != ("shared", "engine")
            for line in engine_reaches(rel)]
     assert not bad, "engine internals used outside shared/engine:\n" + "\n".join(bad)
+
+
+def test_the_engine_has_one_owner_and_no_lock():
+    """The engine's state has one owner thread (engine.py): no lock guards it, and the
+    only things that cross threads are the forward (begin_step / forward / end_step) and
+    a lower tier's load (its own fence, layer_load.py)."""
+    bad = [f"{rel}:{n.lineno}" for rel in python_files() if rel.parts[:2] == ("shared", "engine")
+           and rel.name != "layer_load.py" and not rel.parts[2:3] == ("grammar",)
+           for n in ast.walk(tree(rel)) if isinstance(n, ast.Attribute)
+           and n.attr in ("Lock", "RLock", "lock")]
+    assert not bad, "locks in the engine:\n" + "\n".join(bad)
 
 
 def test_scripts_are_entry_points_without_path_edits():

@@ -206,7 +206,7 @@ class DecodeService:
         slots = None
         try:
             self.engine.check_request(sub.prompt_ids, sub.params)
-            await precompile(self.engine, sub.constraint)   # off the loop, outside the lock
+            await precompile(self.engine, sub.constraint)   # off the loop (the engine's owner)
             if self.choose_path(sub) is Path.PD:
                 slots = await self._reserve(sub)
                 self.table.admit_remote(rid, slots.dest, slots.epochs, slots.held,

@@ -63,8 +63,8 @@ class KvSlots:
 
     def fence_holds(self, w: KvWrite) -> bool:
         """Would the fence let this write land now? Asked on the event loop before the
-        write's bytes are read, without the engine lock (a step may hold it): write()
-        asks again under the lock."""
+        write's bytes are read: write() asks again (a start or a reclaim may come
+        between)."""
         return self.engine.port.fence_holds(w.block_ids, w.epochs, self.epoch_fence)
 
     def start(self, rid: str, first_token: int, logprob=None, top_logprobs=None) -> RequestOutput:

@@ -268,7 +268,7 @@ class PrefillService:
         tier, loader = await layersplit.lookup(
             self.group, kvc, self.engine.prefix_keys(job.prompt_ids, job.cache_salt),
             job.kvstore_blocks)
-        await precompile(self.engine, job.constraint)   # off the loop, outside the lock
+        await precompile(self.engine, job.constraint)   # off the loop (the engine's owner)
         fut = asyncio.get_running_loop().create_future()
         self.pending[local_id] = fut
         load = self.engine.add_request(local_id, job.prompt_ids, job.params, prefill_only=True,

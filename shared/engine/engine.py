@@ -16,19 +16,30 @@ detach_blocks() hands a held sequence's blocks to the caller, who frees them lat
 
 Prefix cache (L1) and lower-tier loads: prefix_cache.py. Speculative decoding: decode steps
 carry k draft tokens that one target forward verifies (spec/runner.py).
-Threading: step() may run in a worker thread while the service's event loop adds, aborts
-and applies KV writes (through `port`, kv_port.py: the only way in from outside). State
-changes under `lock`; the forward pass runs without it. An abort that arrives during a
-forward is applied right after it, so a freed block can never be written by a forward
-that is still running (release() too).
+
+Ownership (vLLM v1's EngineCore in one process): one thread owns the engine, the service's
+event loop (or the caller of step()). Every method below runs on it, so state never
+changes under a reader and the engine takes no lock. Only the forward pass of a step runs
+elsewhere (shared/engine_loop.py hands it to a worker thread):
+
+    plan = begin_step()          owner: schedule, mark the batch in flight
+    logits = forward(plan)       worker: draft proposals, the flat batch, the model
+    outs = end_step(plan, logits)  owner: sample, stop checks, then the commands that waited
+
+While a forward runs, the owner goes on serving: new requests, held sequences, KV writes
+into held blocks (never in a batch) all apply at once. A command for a sequence in the
+running batch (abort, release) would free blocks the forward still writes: it waits in
+one queue that end_step drains, in order, and that request's outputs of the step are
+dropped. The one other thread that writes KV is a lower tier's loader, fenced by its
+LayerLoad (layer_load.py). `port` (kv_port.py) is what PD services do to the KV.
 """
 from __future__ import annotations
 
 import itertools
 import random
-import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -50,6 +61,14 @@ from .sampling import SampleInput, SampleOutput, fit_banned, sample
 from .scheduler import Scheduler, cancel_load
 from .sequence import SeqStatus, Sequence
 from .smooth import applies as smoothing_applies, calibration_ids
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One step between begin_step and end_step: its batch, and (forward) its rows."""
+    batch: list
+    t0: float
+    sampled: list = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -92,10 +111,8 @@ class LLMEngine:
             self.scheduler.lookahead = self.spec.lookahead
         self.requests: dict[str, _Req] = {}
         self._arrival, self._rng = itertools.count(), random.Random()
-        self.lock = threading.RLock()
-        self._inflight: set[str] = set()
-        self._deferred_aborts: set[str] = set()
-        self._deferred_releases: set[str] = set()     # release() during their forward
+        self._inflight: set[str] = set()        # requests of the forward now running
+        self._after_step: list[tuple[str, Callable[[], None]]] = []   # waiting for it
         self._grammar = None
         self.counters = dict.fromkeys(("prefix_hit_tokens", "prompt_tokens", "loads",
                                        "load_failures", "loaded_blocks", "spec_steps",
@@ -105,7 +122,7 @@ class LLMEngine:
                                       + "sq" * smoothing_applies(cfg),
                                       str(cfg.block_size))
         self.prefix = PrefixCache(cfg, self.pool, self.kv, mc.num_layers, self.cache_salt,
-                                  self.lock, self.counters)
+                                  self.counters)
         self.port = KvPort(self)      # what PD services do to the KV from outside step()
 
     def _start_speculation(self, dc, num_blocks: int) -> None:
@@ -178,29 +195,32 @@ class LLMEngine:
         """tier_blocks: how many leading blocks of prefix_keys(prompt, cache_salt) a lower
         tier holds (cache_salt: the tenant, whose prefix keys are its own).
         Returns the LayerLoad the caller must fill (blocks beyond the L1 hit), or None."""
-        with self.lock:
-            seq = self._new_seq(request_id, prompt_ids, params, constraint, replay)
-            seq.stop_after_prefill, seq.cache_salt = prefill_only, cache_salt
-            load = self.prefix.attach(seq, tier_blocks)
-            self.scheduler.add(seq)
-            return load
+        seq = self._new_seq(request_id, prompt_ids, params, constraint, replay)
+        seq.stop_after_prefill, seq.cache_salt = prefill_only, cache_salt
+        load = self.prefix.attach(seq, tier_blocks)
+        self.scheduler.add(seq)
+        return load
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request and free its blocks (after the current forward if it is in
-        one). Returns whether the request was known."""
-        with self.lock:
-            req = self.requests.get(request_id)
-            if req is None:
-                return False
-            if request_id in self._inflight:
-                self._deferred_aborts.add(request_id)
-                return True
-            self._finish_abort(req.seq)
-            return True
+        """Stop a request and free its blocks (after the running forward if it is in
+        that one). Returns whether the request was known."""
+        if request_id not in self.requests:
+            return False
+        self._between_steps(request_id, lambda: self._finish_abort(request_id))
+        return True
 
-    def _finish_abort(self, seq: Sequence) -> None:
-        self.requests.pop(seq.request_id, None)
-        self.scheduler.finish(seq, FinishReason.ABORT)
+    def _finish_abort(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.scheduler.finish(req.seq, FinishReason.ABORT)
+
+    def _between_steps(self, request_id: str, command: Callable[[], None]) -> None:
+        """Run a command that frees a request's blocks now, or, while the running
+        forward computes that request, once it has ended (end_step)."""
+        if request_id in self._inflight:
+            self._after_step.append((request_id, command))
+        else:
+            command()
 
     # ---- held sequences (KV filled from outside) ----------------------------------
     def hold(self, request_id: str, prompt_ids: list[int], params, constraint=None,
@@ -210,73 +230,67 @@ class LLMEngine:
         its leading seq.num_cached prompt tokens come from the prefix cache (L1, or the
         returned load from a lower tier), the caller fills the rest. Raises NoFreeBlocks
         when short (nothing is kept)."""
-        with self.lock:
-            seq = self._new_seq(request_id, prompt_ids, params, constraint, replay)
-            seq.cache_salt = cache_salt
-            load = self.prefix.attach(seq, tier_blocks)
-            need = self.pool.blocks_for(max(reserve_tokens, len(prompt_ids))) - len(seq.block_table)
-            try:
-                seq.block_table += self.pool.allocate(need)
-            except Exception:
-                del self.requests[request_id]
-                cancel_load(seq)
-                self.pool.free(seq.block_table)
-                raise
-            seq.status = SeqStatus.HELD
-            return seq, load
+        seq = self._new_seq(request_id, prompt_ids, params, constraint, replay)
+        seq.cache_salt = cache_salt
+        load = self.prefix.attach(seq, tier_blocks)
+        need = self.pool.blocks_for(max(reserve_tokens, len(prompt_ids))) - len(seq.block_table)
+        try:
+            seq.block_table += self.pool.allocate(need)
+        except Exception:
+            del self.requests[request_id]
+            cancel_load(seq)
+            self.pool.free(seq.block_table)
+            raise
+        seq.status = SeqStatus.HELD
+        return seq, load
 
     def resume(self, request_id: str, first_token: int, logprob=None,
                top_logprobs=None) -> RequestOutput:
         """A held sequence's prompt KV is all in: join the batch with its first token.
         Raises ReplayError (request dropped) if the token breaks the request's grammar."""
-        with self.lock:
-            req = self.requests[request_id]
-            seq = req.seq
-            if seq.status is not SeqStatus.HELD:
-                raise ValueError(f"request {request_id!r} is not held")
-            if req.constraint is not None and not req.constraint.accept(first_token):
-                from .grammar import ReplayError
-                self._finish_abort(seq)
-                raise ReplayError(0, first_token)
-            seq.num_computed = len(seq.prompt_ids)
-            self.prefix.register(seq)
-            self.scheduler.add_running(seq)
-            return self.append_token(seq, first_token,
-                                     SampleOutput(first_token, logprob, top_logprobs))
+        req = self.requests[request_id]
+        seq = req.seq
+        if seq.status is not SeqStatus.HELD:
+            raise ValueError(f"request {request_id!r} is not held")
+        if req.constraint is not None and not req.constraint.accept(first_token):
+            from .grammar import ReplayError
+            self._finish_abort(request_id)
+            raise ReplayError(0, first_token)
+        seq.num_computed = len(seq.prompt_ids)
+        self.prefix.register(seq)
+        self.scheduler.add_running(seq)
+        return self.append_token(seq, first_token,
+                                 SampleOutput(first_token, logprob, top_logprobs))
 
     def detach_blocks(self, request_id: str) -> list[int]:
         """A held sequence gives its blocks to the caller, who frees them (free_blocks)
         once nobody can write them any more; the sequence keeps none."""
-        with self.lock:
-            seq = self.requests[request_id].seq
-            if seq.status is not SeqStatus.HELD:
-                raise ValueError(f"request {request_id!r} is not held")
-            cancel_load(seq)
-            blocks, seq.block_table = seq.block_table, []
-            return blocks
+        seq = self.requests[request_id].seq
+        if seq.status is not SeqStatus.HELD:
+            raise ValueError(f"request {request_id!r} is not held")
+        cancel_load(seq)
+        blocks, seq.block_table = seq.block_table, []
+        return blocks
 
     def requeue(self, request_id: str) -> None:
         """A held sequence (blocks detached) computes its own prompt, in fresh blocks."""
-        with self.lock:
-            seq = self.requests[request_id].seq
-            if seq.status is not SeqStatus.HELD or seq.block_table:
-                raise ValueError(f"request {request_id!r} is not held without blocks")
-            self.prefix.attach(seq)
-            self.scheduler.add(seq)
+        seq = self.requests[request_id].seq
+        if seq.status is not SeqStatus.HELD or seq.block_table:
+            raise ValueError(f"request {request_id!r} is not held without blocks")
+        self.prefix.attach(seq)
+        self.scheduler.add(seq)
 
     def free_blocks(self, blocks: list[int]) -> None:
-        with self.lock:
-            self.pool.free(blocks)
+        self.pool.free(blocks)
 
     def computed_prompt_blocks(self, request_id: str) -> tuple[list[int], list[bytes]]:
         """A live request's whole prompt blocks whose KV is computed, and their prefix
         keys (for a write-back to a lower tier); empty while the prompt is not done."""
-        with self.lock:
-            req = self.requests.get(request_id)
-            if req is None or req.seq.num_computed < len(req.seq.prompt_ids):
-                return [], []
-            keys = req.seq.keys
-            return list(req.seq.block_table[:len(keys)]), list(keys)
+        req = self.requests.get(request_id)
+        if req is None or req.seq.num_computed < len(req.seq.prompt_ids):
+            return [], []
+        keys = req.seq.keys
+        return list(req.seq.block_table[:len(keys)]), list(keys)
 
     # ---- prefill-only requests -----------------------------------------------------
     def kept_blocks(self, request_id: str) -> list[int]:
@@ -286,12 +300,12 @@ class LLMEngine:
     def release(self, request_id: str) -> None:
         """Free the blocks a finished prefill-only request kept; one still in the engine
         leaves it (as abort()), after the running forward if it is in that one."""
-        with self.lock:
-            if request_id in self._inflight:
-                return self._deferred_releases.add(request_id)
-            req = self.requests.pop(request_id, None)
-            if req is not None:      # (a sequence left without its request: stepped forever)
-                self.scheduler.finish(req.seq, req.seq.finish_reason or FinishReason.ABORT)
+        self._between_steps(request_id, lambda: self._release(request_id))
+
+    def _release(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None:      # (a sequence left without its request: stepped forever)
+            self.scheduler.finish(req.seq, req.seq.finish_reason or FinishReason.ABORT)
 
     @property
     def has_unfinished(self) -> bool:
@@ -299,40 +313,53 @@ class LLMEngine:
 
     # ---- one step -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        t = time.perf_counter()
-        outs = self._step()
-        if self.spec is not None:         # adaptive speculation times whole steps
-            self.spec.step_done(outs, time.perf_counter() - t)
-        return outs
-
-    def _step(self) -> list[RequestOutput]:
-        with self.lock:
-            batch = self.scheduler.schedule()
-            if not batch:
-                return []
-            self._inflight = {s.seq.request_id for s in batch}
-        if self.spec is not None:
-            self.spec.propose(batch)      # draft forwards: fill s.drafts (without the lock)
-        with self.lock:
-            input_ids, meta, sampled = build_batch(batch, self.cfg)
+        """One whole step on the calling thread (tests, benchmarks, the CLI)."""
+        plan = self.begin_step()
+        if plan is None:
+            return []
         try:
-            logits = self.model.forward(input_ids, meta, self.kv)
+            logits = self.forward(plan)
+        except BaseException:
+            self.end_step(plan, None, failed=True)
+            raise
+        return self.end_step(plan, logits)
+
+    def begin_step(self) -> StepPlan | None:
+        """Owner: schedule the next batch and mark it in flight (None: nothing to run)."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return None
+        self._inflight = {s.seq.request_id for s in batch}
+        return StepPlan(batch, time.perf_counter())
+
+    def forward(self, plan: StepPlan):
+        """Worker: draft proposals, the flat batch and the model forward; reads only the
+        batch's sequences and writes only their KV. None when a layer load failed."""
+        if self.spec is not None:
+            self.spec.propose(plan.batch)      # draft forwards: fill s.drafts
+        input_ids, meta, plan.sampled = build_batch(plan.batch, self.cfg)
+        try:
+            return self.model.forward(input_ids, meta, self.kv)
         except LoadFailed:
-            logits = None
-        with self.lock:
-            self._inflight = set()
-            outs = [] if logits is None else self.postprocess(batch, sampled, logits)
-            if logits is None:
-                self.prefix.recompute_failed_loads(batch)
-            for rid in self._deferred_aborts:
-                req = self.requests.get(rid)
-                if req is not None:
-                    self._finish_abort(req.seq)
-            released, self._deferred_releases = self._deferred_releases, set()
-            gone, self._deferred_aborts = self._deferred_aborts | released, set()
-            for rid in released:
-                self.release(rid)
-            return [o for o in outs if o.request_id not in gone]
+            return None
+
+    def end_step(self, plan: StepPlan, logits, failed: bool = False) -> list[RequestOutput]:
+        """Owner: sample and check the batch (unless its forward failed), then run the
+        commands that waited for it; a request they removed gets no output of this step."""
+        self._inflight = set()
+        outs = []
+        if logits is not None:
+            outs = self.postprocess(plan.batch, plan.sampled, logits)
+        elif not failed:
+            self.prefix.recompute_failed_loads(plan.batch)
+        waited, self._after_step = self._after_step, []
+        for _rid, command in waited:
+            command()
+        gone = {rid for rid, _ in waited}
+        outs = [o for o in outs if o.request_id not in gone]
+        if self.spec is not None and not failed:   # adaptive speculation times whole steps
+            self.spec.step_done(outs, time.perf_counter() - plan.t0)
+        return outs
 
     def postprocess(self, batch, sampled, logits) -> list[RequestOutput]:
         for s in batch:

@@ -3,20 +3,22 @@ step (in the spirit of vLLM's KVConnectorBase_V1, whose docstring lists every me
 
 Decode's slot protocol (services/decode/slots.py), the kvstore write-back
 (shared/kvstore_client.py), the LayerSplit group's inserts and the test-only fault
-injection reach the engine's lock, block pool, scheduler and request table only through
-these methods; each takes the engine's lock itself. No module outside shared/engine/
-touches those four (tests/test_code_shape.py checks), so every rule about when a block
-may be read or written while a step runs is here or in engine.py.
+injection reach the engine's block pool, scheduler and request table only through these
+methods, called on the engine's owner thread (engine.py: the service's event loop) like
+every other engine method: none of them can interleave with a step's bookkeeping, and a
+write lands only in a held sequence's blocks, which no running forward reads. No module
+outside shared/engine/ touches those tables (tests/test_code_shape.py checks), so every
+rule about when a block may be read or written while a step runs is here or in engine.py.
 
   num_blocks             the pool's size
   busy()                 (running sequences, waiting sequences)
   reserve(...)           hold a sequence; its destination blocks, their epochs, all its blocks
-  fence_holds(ids, eps)  the epoch fence's question, lock-free (asked again under the lock)
+  fence_holds(ids, eps)  the epoch fence's question (asked on the header, again at write)
   write(w, payload, f)   apply one KvWrite if the fence lets it land
   start(rid, token, ..)  every write is in: new epochs for its blocks, join the batch
   snapshot(blocks, copy) a host copy of these blocks' KV (layer-major unless copy says)
-  tamper(rid, blocks, f) TEST ONLY: f(kv, blocks, others) under the lock, others being the
-                         computed blocks of every other running sequence
+  tamper(rid, blocks, f) TEST ONLY: f(kv, blocks, others), others being the computed
+                         blocks of every other running sequence
 """
 from __future__ import annotations
 
@@ -42,8 +44,7 @@ class KvPort:
 
     def busy(self) -> tuple[int, int]:
         e = self._e
-        with e.lock:
-            return len(e.scheduler.running), len(e.scheduler.waiting)
+        return len(e.scheduler.running), len(e.scheduler.waiting)
 
     def reserve(self, rid: str, prompt_ids: list[int], params, constraint=None,
                 tier_blocks: int = 0, reserve_tokens: int = 0, replay: int = 0,
@@ -54,16 +55,16 @@ class KvPort:
         stamped with its current epoch, and every block the sequence holds. Raises
         NoFreeBlocks when short."""
         e = self._e
-        with e.lock:
-            seq, load = e.hold(rid, prompt_ids, params, constraint, tier_blocks,
-                               reserve_tokens, replay, cache_salt)
-            skip = seq.num_cached // e.cfg.block_size
-            dest = seq.block_table[skip:e.pool.blocks_for(len(prompt_ids))]
-            return dest, [e.pool.epoch[b] for b in dest], list(seq.block_table), skip, load
+        seq, load = e.hold(rid, prompt_ids, params, constraint, tier_blocks,
+                           reserve_tokens, replay, cache_salt)
+        skip = seq.num_cached // e.cfg.block_size
+        dest = seq.block_table[skip:e.pool.blocks_for(len(prompt_ids))]
+        return dest, [e.pool.epoch[b] for b in dest], list(seq.block_table), skip, load
 
     def fence_holds(self, block_ids: list[int], epochs: list[int], fence: bool = True) -> bool:
         """Every block id is in the pool and (fence) still in the epoch the write was
-        issued under. A read without the lock: write() asks again under it."""
+        issued under. Asked on a write's header before its bytes are read, and again by
+        write() (the bytes may arrive after a start or a reclaim)."""
         pool = self._e.pool
         if len(block_ids) != len(epochs) or not all(0 <= b < pool.num_blocks for b in block_ids):
             return False
@@ -75,12 +76,11 @@ class KvPort:
         from shared.kv.wire import unpack_into
 
         e = self._e
-        with e.lock:
-            landed = self.fence_holds(w.block_ids, w.epochs, fence)
-            if landed:
-                unpack_into(e.kv, w.block_ids, w.layer_start, w.layer_end, payload, w.dtype,
-                            w.shape)
-            return landed
+        landed = self.fence_holds(w.block_ids, w.epochs, fence)
+        if landed:
+            unpack_into(e.kv, w.block_ids, w.layer_start, w.layer_end, payload, w.dtype,
+                        w.shape)
+        return landed
 
     def start(self, rid: str, first_token: int, logprob=None, top_logprobs=None
               ) -> RequestOutput:
@@ -88,28 +88,25 @@ class KvPort:
         before lands from now on) and it joins the batch with its first token. Raises
         ReplayError (request dropped) if the token breaks its grammar."""
         e = self._e
-        with e.lock:
-            e.pool.restamp(e.requests[rid].seq.block_table)
-            return e.resume(rid, first_token, logprob, top_logprobs)
+        e.pool.restamp(e.requests[rid].seq.block_table)
+        return e.resume(rid, first_token, logprob, top_logprobs)
 
     def snapshot(self, blocks: list[int], copy=None) -> torch.Tensor:
         """A host copy of these blocks' KV (the caller holds them): copy(kv, blocks), by
         default layer-major [L, 2, n, BS, Hkv, D]."""
         e = self._e
-        with e.lock:
-            if copy is not None:
-                return copy(e.kv, blocks)
-            return e.kv[:, :, torch.tensor(blocks, dtype=torch.long)].to("cpu", copy=True)
+        if copy is not None:
+            return copy(e.kv, blocks)
+        return e.kv[:, :, torch.tensor(blocks, dtype=torch.long)].to("cpu", copy=True)
 
     def tamper(self, rid: str, blocks: list[int] | None, fn) -> None:
-        """TEST ONLY (fault injection): fn(kv, blocks, others) under the lock. blocks:
+        """TEST ONLY (fault injection): fn(kv, blocks, others). blocks:
         None means rid's prompt blocks; others: the computed blocks of every other
         running sequence (a fault must not touch them)."""
         e = self._e
-        with e.lock:
-            if blocks is None:
-                seq = e.requests[rid].seq
-                blocks = seq.block_table[:e.pool.blocks_for(len(seq.prompt_ids))]
-            others = [b for s in e.scheduler.running if s.request_id != rid
-                      for b in s.block_table[:e.pool.blocks_for(s.num_computed)]]
-            fn(e.kv, blocks, others)
+        if blocks is None:
+            seq = e.requests[rid].seq
+            blocks = seq.block_table[:e.pool.blocks_for(len(seq.prompt_ids))]
+        others = [b for s in e.scheduler.running if s.request_id != rid
+                  for b in s.block_table[:e.pool.blocks_for(s.num_computed)]]
+        fn(e.kv, blocks, others)

@@ -5,8 +5,13 @@ A prefix hit in a lower tier (kvstore's host memory or disk) is copied into engi
 blocks layer by layer while the engine already computes the rest of the prompt. Compute
 on layer i reads those blocks only after `wait(i)` returned, i.e. after layer i's copy
 completed: a read before ready would attend over stale bytes, which is exactly the
-garbled-output bug this guard exists for. The loader (an asyncio task) calls
-`layer_done(i)` after its copy of layer i, or `fail()`; the engine thread waits.
+garbled-output bug this guard exists for. The loader (an asyncio task, or LayerSplit's
+worker thread) copies through `land()` and calls `layer_done(i)` after layer i, or
+`fail()`; the forward waits.
+
+The load is also the one fence between its loader and the engine's owner: `cancel()`
+(the request went away, its blocks are about to be freed) and `land()` take the load's
+own lock, so once cancel() returned no copy is in progress and none will start.
 """
 from __future__ import annotations
 
@@ -27,10 +32,25 @@ class LayerLoad:
         self.first_block = first_block   # index of blocks[0] in the request's block table
         self._ready = [threading.Event() for _ in range(num_layers)]
         self.error: str | None = None
-        self.cancelled = False   # the request went away: the loader stops (under engine lock)
+        self.cancelled = False   # the request went away: the loader stops
+        self._fence = threading.Lock()
         self.t0 = time.monotonic()
         self.arrived = [0.0] * num_layers     # seconds after t0 each layer became ready
         self.waits: list[tuple[int, float, float]] = []   # (layer, wait start, wait end)
+
+    def land(self, copy) -> bool:
+        """Run copy() (one layer's bytes into the load's blocks) unless the load was
+        cancelled; whether it ran."""
+        with self._fence:
+            if self.cancelled:
+                return False
+            copy()
+            return True
+
+    def cancel(self) -> None:
+        """The blocks are going away: after this returns no copy lands in them."""
+        with self._fence:
+            self.cancelled = True
 
     def layer_done(self, layer: int) -> None:
         self.arrived[layer] = time.monotonic() - self.t0

@@ -6,12 +6,11 @@ prefix held by a lower tier (kvstore) is loaded layer by layer into fresh blocks
 (layer_load.py) while the rest computes; a failed load is recomputed. In deterministic
 mode only whole chunks are shared: their KV is bit-identical however the prompt is split.
 
-Everything it uses is passed in: the engine's settings, block pool, KV pool, lock and
-counters. Methods run under the engine's lock unless they take it themselves.
+Everything it uses is passed in: the engine's settings, block pool, KV pool and
+counters. Methods run on the engine's owner thread (engine.py), except
+write_loaded_layer: the loader's side, fenced by the load itself (layer_load.py).
 """
 from __future__ import annotations
-
-import threading
 
 import torch
 
@@ -25,13 +24,12 @@ from .sequence import Sequence
 
 class PrefixCache:
     def __init__(self, cfg: EngineConfig, pool: BlockPool, kv: torch.Tensor, num_layers: int,
-                 salt: bytes, lock: threading.RLock, counters: dict):
+                 salt: bytes, counters: dict):
         self.cfg = cfg
         self.pool = pool
         self.kv = kv
         self.num_layers = num_layers
         self.salt = salt
-        self.lock = lock
         self.counters = counters
         self.last_load: dict = {}       # timeline of the latest completed layer-wise load
 
@@ -47,11 +45,10 @@ class PrefixCache:
 
     def cached_tokens(self, prompt_ids: list[int], cache_salt: str = "") -> int:
         """Prompt tokens an L1 hit would serve right now (a peek: nothing is taken)."""
-        with self.lock:
-            if not self.cfg.prefix_cache:
-                return 0
-            hit = len(self.pool.match(self.keys(prompt_ids, cache_salt)))
-            return self.usable(hit, len(prompt_ids)) * self.cfg.block_size
+        if not self.cfg.prefix_cache:
+            return 0
+        hit = len(self.pool.match(self.keys(prompt_ids, cache_salt)))
+        return self.usable(hit, len(prompt_ids)) * self.cfg.block_size
 
     def usable(self, nblocks: int, prompt_len: int) -> int:
         """A hit leaves at least one prompt token to compute (its logits are sampled) and,
@@ -118,13 +115,13 @@ class PrefixCache:
     def write_loaded_layer(self, load: LayerLoad, layer: int, data: torch.Tensor,
                            b0: int = 0) -> bool:
         """Copy data [2, n, block_size, Hkv, D] into layer `layer` of the load's blocks
-        b0..b0+n (the loader's side). False once the request went away: nothing written."""
-        with self.lock:
-            if load.cancelled:
-                return False
-            ids = torch.tensor(load.blocks[b0:b0 + data.shape[1]], dtype=torch.long)
+        b0..b0+n (the loader's side, any thread). False once the request went away:
+        nothing written."""
+        ids = torch.tensor(load.blocks[b0:b0 + data.shape[1]], dtype=torch.long)
+
+        def copy():
             self.kv[layer, :, ids] = data.to(self.kv.device)
-            return True
+        return load.land(copy)
 
     def recompute_failed_loads(self, batch: list[Scheduled]) -> None:
         """A load failed mid-forward: nothing of this step counts. Sequences whose load

@@ -161,8 +161,8 @@ class Scheduler:
 
 
 def cancel_load(seq: Sequence) -> None:
-    """The sequence's blocks are going away: its loader must not write any more (the
-    loader checks `cancelled` under the engine lock, which the caller holds)."""
+    """The sequence's blocks are going away: its loader must not write any more
+    (LayerLoad.cancel waits for a copy in progress)."""
     if seq.load is not None:
-        seq.load.cancelled = True
+        seq.load.cancel()
         seq.load = None

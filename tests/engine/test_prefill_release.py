@@ -8,7 +8,7 @@ until it served no job at all (the chaos run on the whole-prompt path, 1,770 req
 both prefill workers at ~90% CPU, decode waiting on 16 jobs)."""
 from __future__ import annotations
 
-import threading
+import concurrent.futures
 
 from shared.contracts.sampling import SamplingParams
 from shared.engine.config import EngineConfig
@@ -23,31 +23,34 @@ def engine(model, device: str) -> LLMEngine:
 
 def test_released_during_its_forward_it_leaves_once_the_forward_ends(tiny_target, tiny_prompts,
                                                                      device):
+    """The owner thread (engine.py) refuses the job while the worker runs its forward:
+    the refusal waits for end_step, and the forward's blocks stay its own until then."""
     eng = engine(tiny_target, device)
     free = eng.pool.num_free
-    entered, go, outs = threading.Event(), threading.Event(), []
-    forward = eng.model.forward
-
-    def slow(*a, **kw):
-        entered.set()
-        assert go.wait(30)
-        return forward(*a, **kw)
-    eng.model.forward = slow
     eng.add_request("job/1", tiny_prompts[0], P, prefill_only=True)
-    step = threading.Thread(target=lambda: outs.append(eng.step()))
-    step.start()
-    assert entered.wait(30)                  # its forward runs: the refusal lands now
+    plan = eng.begin_step()                  # its forward is about to run on the worker
     eng.abort("job/1")
     eng.release("job/1")
     assert eng.pool.num_free < free          # its blocks stay while the forward writes them
-    go.set()
-    step.join(30)
-    eng.model.forward = forward
-    assert outs == [[]]                      # no first token for a released request
+    worker = concurrent.futures.ThreadPoolExecutor(1)
+    logits = worker.submit(eng.forward, plan).result(60)
+    outs = eng.end_step(plan, logits)
+    assert outs == []                        # no first token for a released request
     assert not eng.has_unfinished, eng.stats()
     assert eng.pool.num_free == free
     want = engine(tiny_target, device).generate([tiny_prompts[1]], P)
     assert eng.generate([tiny_prompts[1]], P) == want     # and it serves on
+
+
+def test_aborted_during_a_failed_forward_it_still_leaves(tiny_target, tiny_prompts, device):
+    """A forward that raises ends its step too: the commands that waited for it run."""
+    eng = engine(tiny_target, device)
+    free = eng.pool.num_free
+    eng.add_request("job/4", tiny_prompts[0], P)
+    plan = eng.begin_step()
+    eng.abort("job/4")
+    assert eng.end_step(plan, None, failed=True) == []
+    assert not eng.has_unfinished and eng.pool.num_free == free
 
 
 def test_released_before_it_was_scheduled_it_leaves_at_once(tiny_target, tiny_prompts, device):
