@@ -1,6 +1,7 @@
-"""Model output text -> OpenAI tool calls, whole (`parse_tool_calls`) or as a stream
-(`ToolCallStreamParser`), in the format the model speaks (toolformats.py; Hermes unless
-told), e.g. Hermes:
+"""Model output text -> tool calls, whole (`parse_tool_calls`: OpenAI's message fields) or
+as a stream (`ToolCallStreamParser`: typed events, `Text` and `Call`, that every API's
+renderer writes in its own shape; `openai_deltas` is chat.completion.chunk's), in the
+format the model speaks (toolformats.py; Hermes unless told), e.g. Hermes:
 
     some text
     <tool_call>
@@ -29,8 +30,40 @@ import hashlib
 import json
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from .toolformats import ToolFormat, get
+
+
+@dataclass(frozen=True, slots=True)
+class Text:
+    """Output text that is content (no part of a call)."""
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One whole tool call, in output order (index: among the output's calls)."""
+    index: int
+    id: str                  # call_<24 hex>
+    name: str
+    arguments: str           # JSON text of an object
+
+
+def openai_deltas(events: list[Text | Call]) -> list[dict]:
+    """Events -> OpenAI chat.completion.chunk `delta` dicts: `{"content": str}` for text;
+    per call two deltas, `{"tool_calls": [{"index", "id", "type", "function": {"name",
+    "arguments": ""}}]}` then `{"tool_calls": [{"index", "function": {"arguments":
+    <whole JSON>}}]}`."""
+    out: list[dict] = []
+    for e in events:
+        if isinstance(e, Text):
+            out.append({"content": e.text})
+            continue
+        out.append({"tool_calls": [{"index": e.index, "id": e.id, "type": "function",
+                                    "function": {"name": e.name, "arguments": ""}}]})
+        out.append({"tool_calls": [{"index": e.index, "function": {"arguments": e.arguments}}]})
+    return out
 
 
 def call_id(request_id: str | None, index: int) -> str:
@@ -39,28 +72,17 @@ def call_id(request_id: str | None, index: int) -> str:
     return "call_" + hashlib.sha256(f"{request_id}:{index}".encode()).hexdigest()[:24]
 
 
-def tool_call(request_id: str | None, index: int, name: str, arguments: str) -> dict:
-    return {"id": call_id(request_id, index), "type": "function",
-            "function": {"name": name, "arguments": arguments}}
-
-
 def parse_tool_calls(text: str, request_id: str | None = None, fmt: str | None = None,
                      tools: Mapping[str, dict] | None = None) -> tuple[str | None, list[dict]]:
     """Whole output -> (message content, OpenAI tool_calls). fmt: a toolformats name;
     tools: each tool's parameters schema by name (GLM's raw string values)."""
     parser = ToolCallStreamParser(request_id, fmt, tools)
-    content: list[str] = []
-    calls: dict[int, dict] = {}
-    for d in parser.feed(text) + parser.finish():
-        if "content" in d:
-            content.append(d["content"])
-        for c in d.get("tool_calls", ()):
-            if "id" in c:
-                calls[c["index"]] = tool_call(request_id, c["index"], c["function"]["name"], "")
-            else:
-                calls[c["index"]]["function"]["arguments"] += c["function"]["arguments"]
-    joined = "".join(content)
-    return (joined or None) if calls else joined, [calls[i] for i in sorted(calls)]
+    events = parser.feed(text) + parser.finish()
+    joined = "".join(e.text for e in events if isinstance(e, Text))
+    calls = [{"id": e.id, "type": "function",
+              "function": {"name": e.name, "arguments": e.arguments}}
+             for e in events if isinstance(e, Call)]
+    return (joined or None) if calls else joined, calls
 
 
 def tool_schemas(tools_json: str | None) -> dict[str, dict]:
@@ -86,17 +108,15 @@ def stream_for(constraint, request_id: str | None = None) -> "ToolCallStreamPars
 
 
 class ToolCallStreamParser:
-    """Text deltas -> OpenAI chat.completion.chunk `delta` dicts.
+    """Text deltas -> events.
 
-    `feed(text)` and `finish()` return lists of deltas: `{"content": str}` for text, and per
-    call two deltas once its block closes — `{"tool_calls": [{"index", "id", "type",
-    "function": {"name", "arguments": ""}}]}` then `{"tool_calls": [{"index", "function":
-    {"arguments": <whole JSON>}}]}`. Arguments go out whole when the block closes: the
-    simplest choice that is always well-formed (a block that turns out bad must fall back to
-    text, which a half-sent call could not). Text that may still become a marker (a
-    trailing "<", "<to", ...) and whitespace that may precede one are held back, so no
-    marker text leaks as content. A block that runs to the end of the output (Mistral,
-    Llama 3) is held until finish().
+    `feed(text)` and `finish()` return lists of events: `Text` for content, and a `Call`
+    once its block closes (`openai_deltas` turns them into chat chunk deltas). Arguments
+    go out whole when the block closes: the simplest choice that is always well-formed
+    (a block that turns out bad must fall back to text, which a half-sent call could not).
+    Text that may still become a marker (a trailing "<", "<to", ...) and whitespace that
+    may precede one are held back, so no marker text leaks as content. A block that runs
+    to the end of the output (Mistral, Llama 3) is held until finish().
     """
 
     def __init__(self, request_id: str | None = None, fmt: str | ToolFormat | None = None,
@@ -115,9 +135,9 @@ class ToolCallStreamParser:
     def has_tool_calls(self) -> bool:
         return self.num_calls > 0
 
-    def feed(self, text: str) -> list[dict]:
+    def feed(self, text: str) -> list[Text | Call]:
         self._buf += text
-        out: list[dict] = []
+        out: list[Text | Call] = []
         f = self.fmt
         while True:
             if self._marker is not None:
@@ -150,10 +170,10 @@ class ToolCallStreamParser:
             self._buf = self._buf[len(self._buf) - keep:]
             return out
 
-    def finish(self) -> list[dict]:
+    def finish(self) -> list[Text | Call]:
         """End of output: a block that runs to the end closes; whatever else was held back
         is content (an unclosed tag is text)."""
-        out: list[dict] = []
+        out: list[Text | Call] = []
         if self._marker is not None and self.fmt.end is None:
             self._close_block(self._buf, out)
         elif self._marker is not None:
@@ -193,21 +213,19 @@ class ToolCallStreamParser:
     def _opened(self) -> str:
         return "" if self.fmt.keep_start else self._marker
 
-    def _close_block(self, body: str, out: list[dict]) -> None:
+    def _close_block(self, body: str, out: list[Text | Call]) -> None:
         calls = self.fmt.parse(body, self.tools)
         if calls is None:
             self._emit(self._ws_before + self._opened() + body + (self.fmt.end or ""), out)
         else:
             for name, arguments in calls:
-                call = tool_call(self.request_id, self.num_calls, name, "")
-                out.append({"tool_calls": [{"index": self.num_calls, **call}]})
-                out.append({"tool_calls": [{"index": self.num_calls,
-                                            "function": {"arguments": arguments}}]})
+                out.append(Call(self.num_calls, call_id(self.request_id, self.num_calls), name,
+                                arguments))
                 self.num_calls += 1
             self._after_call = True
         self._ws_before, self._marker = "", None
 
-    def _emit(self, text: str, out: list[dict]) -> None:
+    def _emit(self, text: str, out: list[Text | Call]) -> None:
         if text:
             self._text_seen = True
-            out.append({"content": text})
+            out.append(Text(text))

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from shared.toolcalls import ToolCallStreamParser, call_id, parse_tool_calls
+from shared.toolcalls import Text, ToolCallStreamParser, call_id, openai_deltas, parse_tool_calls
 
 CALL_W = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 CALL_A = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": [2, {"c": "Zürich"}]}}\n</tool_call>'
@@ -80,8 +80,8 @@ def run_stream(text: str, pieces: list[str], request_id: str = "req-1", fmt: str
     parser = ToolCallStreamParser(request_id, fmt, tools)
     deltas = []
     for piece in pieces:
-        deltas += parser.feed(piece)
-    deltas += parser.finish()
+        deltas += openai_deltas(parser.feed(piece))
+    deltas += openai_deltas(parser.finish())
     contents = [d["content"] for d in deltas if "content" in d]
     calls: dict[int, dict] = {}
     for d in deltas:
@@ -133,14 +133,14 @@ def test_stream_sends_call_header_then_arguments():
 
 def test_stream_holds_partial_tag_and_releases_it_when_it_is_not_one():
     parser = ToolCallStreamParser()
-    assert parser.feed("Hello <tool_") == [{"content": "Hello"}]
-    assert parser.feed("cab") == [{"content": " <tool_cab"}]
-    assert parser.feed(" and <") == [{"content": " and"}]
-    assert parser.finish() == [{"content": " <"}]
+    assert parser.feed("Hello <tool_") == [Text("Hello")]
+    assert parser.feed("cab") == [Text(" <tool_cab")]
+    assert parser.feed(" and <") == [Text(" and")]
+    assert parser.finish() == [Text(" <")]
 
 
 def test_stream_emits_plain_text_without_waiting():
     parser = ToolCallStreamParser()
-    assert parser.feed("The answer") == [{"content": "The answer"}]
-    assert parser.feed(" is 42.") == [{"content": " is 42."}]
+    assert parser.feed("The answer") == [Text("The answer")]
+    assert parser.feed(" is 42.") == [Text(" is 42.")]
     assert parser.finish() == []

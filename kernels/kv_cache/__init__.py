@@ -3,8 +3,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.kv_cache.kernel import gather_blocks_triton, scatter_blocks_triton, write_kv_triton
+from kernels._optional import needs_triton
 from kernels.kv_cache.ref import gather_blocks_ref, scatter_blocks_ref, write_kv_ref
+
+try:        # Triton: the `cuda` extra (pip install "pdmesh[cuda]"); CPU serving runs without it
+    from kernels.kv_cache.kernel import gather_blocks_triton, scatter_blocks_triton, write_kv_triton
+except ImportError as e:
+    gather_blocks_triton = scatter_blocks_triton = write_kv_triton = needs_triton(e)
 
 __all__ = ["write_kv", "gather_blocks", "scatter_blocks", "SlotPlan", "plan_slots",
            "write_kv_ref", "gather_blocks_ref", "scatter_blocks_ref",

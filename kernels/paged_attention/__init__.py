@@ -2,9 +2,14 @@
 built, else the torch reference."""
 import torch
 
+from kernels._optional import needs_triton
 from kernels.cpu_ops import decode_attention
-from kernels.paged_attention.kernel import paged_attention_decode_triton
 from kernels.paged_attention.ref import DecodePlan, paged_attention_decode_ref, plan_decode
+
+try:        # Triton: the `cuda` extra (pip install "pdmesh[cuda]"); CPU serving runs without it
+    from kernels.paged_attention.kernel import paged_attention_decode_triton
+except ImportError as e:
+    paged_attention_decode_triton = needs_triton(e)
 
 __all__ = ["paged_attention_decode", "paged_attention_decode_ref", "paged_attention_decode_triton",
            "DecodePlan", "plan_decode"]

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 from shared.contracts.messages import AbortReason
 
-from .dispatch import ClientGone, DecodeClient
+from .chunks import ClientGone
+from .dispatch import DecodeClient
 from .metrics import Metrics
 from .protocol import OpenAIError
 

@@ -24,11 +24,12 @@ from shared.contracts.common import ErrorCode
 from shared.contracts.messages import Heartbeat
 from shared.service import ServiceRuntime
 
-from . import auth, limits, protocol as P, trace
+from . import auth, intake, limits, protocol as P, trace
 from .apis.routes import add_routes, api_error_response
 from .choices import answer_n
+from .chunks import ClientGone
 from .config import GatewayConfig
-from .dispatch import ClientGone, DecodeClient
+from .dispatch import DecodeClient
 from .grammar_check import GrammarGuard, deferred
 from .handover import Handover
 from .metrics import CONTENT_TYPE, Metrics
@@ -170,6 +171,10 @@ class Gateway:
                 "decode_instances": len(self.registry.alive(time.monotonic())),
                 "draining": self.draining, "auth": self.keys.enabled,
                 "queues": len(self.client.queues) if self.client is not None else 0,
+                **({"chunks_dropped": self.client.chunks.dropped_chunks,
+                    "chunks_malformed": self.client.chunks.bad_messages,
+                    "heartbeats_malformed": self.client.bad_messages}
+                   if self.client is not None else {}),
                 "invalid_heartbeats": self.registry.invalid,
                 **{f"grammar_{k}": n for k, n in self.grammar.counts.items()}}
 
@@ -216,29 +221,22 @@ def create_app(cfg: GatewayConfig, spec: ModelSpec | None = None) -> web.Applica
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, parse_chat, "chatcmpl")
+    return await _openai(request, parse_chat, "chatcmpl-")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, parse_completion, "cmpl")
+    return await _openai(request, parse_completion, "cmpl-")
 
 
-async def _generate(request: web.Request, parse, id_prefix: str) -> web.StreamResponse:
+async def _openai(request: web.Request, parse, id_prefix: str) -> web.StreamResponse:
     gw = request.app[GATEWAY]
-    arrival = time.monotonic()
-    prep = await gw.prepare(parse, await gw.read_body(request))
-    key = request.get(auth.TENANT, "")
-    gw.admit(key)              # in flight from here: the body is in and parsed
-    try:
-        rid = f"{id_prefix}-{uuid.uuid4().hex}"
+
+    async def respond(prep: Prepared, rid: str, arrival: float) -> web.StreamResponse:
         if prep.options.n > 1:
             return await answer_n(request, gw, prep, rid, arrival)
-        d = await gw.client.submit(rid, prep.prompt_ids, prep.params, prep.constraint,
-                                   prep.options.force_path, gw.cache_salt(request, prep))
-        gw.metrics.placements.inc(placement=d.path.value)
+        d = await intake.submit(gw, request, prep, rid)
         return await answer(request, gw.client, d, prep, rid, arrival, gw.metrics, gw.token_text)
-    finally:
-        gw.done(key)
+    return await intake.generate(gw, request, parse, id_prefix, respond)
 
 
 # ---- the rest --------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from aiohttp import web
 
 from shared.contracts.messages import TokenChunk
 
-from . import protocol as P
+from . import intake, protocol as P
 from .aborting import AbortOnExit, close
 from .protocol import OpenAIError
 from .respond import SSE_HEADERS, Answer, SseStream, client_gone, next_chunk, whole_body
@@ -74,16 +74,13 @@ class Choices:
         self.deadline = arrival + self.client.request_timeout_s
         self.gone = client_gone(request)
         self.seeds = choice_seeds(prep.params.seed, prep.options.n)
-        self.salt = gw.cache_salt(request, prep)
         self.answers: list[Choice] = []
 
     async def dispatch(self, i: int, prefer: str | None = None) -> Choice:
         p = self.prep
         rid = self.rid if i == 0 else f"{self.rid}-{i}"
         params = msgspec.structs.replace(p.params, seed=self.seeds[i])
-        d = await self.client.submit(rid, p.prompt_ids, params, p.constraint,
-                                     p.options.force_path, self.salt, prefer=prefer)
-        self.gw.metrics.placements.inc(placement=d.path.value)
+        d = await intake.submit(self.gw, self.request, p, rid, prefer, params)
         self.gw.metrics.choices.inc()
         ans = Choice(i, p, d, self.arrival, self.gw.metrics, self.gw.token_text, rid)
         self.answers.append(ans)
@@ -156,20 +153,15 @@ async def _whole(ch: Choices) -> web.Response:
                         headers=ch.headers())
 
 
-class _Indexed:
-    """What one choice's SseStream writes to: its chunks get the choice's index; its own usage
-    chunk is dropped (the request's, over every choice, is sent at the end)."""
+class _OneAtATime:
+    """The response the choices' SseStreams share: one whole event written at a time."""
 
-    def __init__(self, resp: web.StreamResponse, index: int, lock: asyncio.Lock):
-        self.resp, self.index, self.lock = resp, index, lock
+    def __init__(self, resp: web.StreamResponse, lock: asyncio.Lock):
+        self.resp, self.lock = resp, lock
 
     async def write(self, data: bytes) -> None:
-        body = msgspec.json.decode(data[len(b"data: "):])
-        if not body.get("choices"):
-            return
-        body["choices"][0]["index"] = self.index
         async with self.lock:
-            await self.resp.write(P.sse(body))
+            await self.resp.write(data)
 
 
 async def _stream(ch: Choices) -> web.StreamResponse:
@@ -179,8 +171,8 @@ async def _stream(ch: Choices) -> web.StreamResponse:
     o = ch.prep.options
 
     async def relay(ans: Choice) -> None:
-        await SseStream(_Indexed(resp, ans.index, lock), ans, ch.rid, created).relay(
-            ch.client, ch.deadline, ch.gone)
+        await SseStream(_OneAtATime(resp, lock), ans, ch.rid, created, index=ans.index,
+                        own_usage=False).relay(ch.client, ch.deadline, ch.gone)
 
     try:
         await ch.run(relay)

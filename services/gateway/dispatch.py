@@ -8,9 +8,8 @@ Life cycle of a request:
               no answer -> the next instance, under a fresh request id (a late acceptance by
               the first cannot leak chunks into this request; it is told to abort).
               INVALID_REQUEST -> 400; any other refusal -> 502; nobody left -> 503.
-  next_chunk  the next TokenChunk; checks the deadline and the client's connection on every
-              call and, after each idle tick, the instance's heartbeat, so a dead instance
-              fails the request within seconds instead of hanging it.
+  next_chunk  the next TokenChunk, in order, the instance watched meanwhile (chunks.py:
+              where chunks arrive and how they are judged).
   abort       Abort(request_id, reason) to the instance (client gone, timeout, shutdown).
   release     forget the queue; later chunks for the id are counted and dropped.
   redispatch  after decode aborted the request for an acceptance anomaly (invariant 5):
@@ -41,7 +40,7 @@ import msgspec
 import nats.errors
 
 from shared import subjects, tracing
-from shared.contracts.common import Codec, ContractError, ErrorCode, ErrorReply, encode
+from shared.contracts.common import Codec, ContractError, ErrorCode, encode
 from shared.contracts.constraint import Constraint
 from shared.contracts.messages import Abort, DecodeSubmit, Heartbeat, Path, SubmitAck, TokenChunk
 from shared.contracts.sampling import SamplingParams
@@ -49,6 +48,7 @@ from shared.service import ServiceError, decode_reply
 
 from . import probe
 from .affinity import PrefixAffinity
+from .chunks import Chunks
 from .limits import check_fits
 from .protocol import OpenAIError, overloaded
 from .registry import Registry
@@ -56,17 +56,12 @@ from .registry import Registry
 log = logging.getLogger("pdmesh.gateway")
 
 ACK = Codec(SubmitAck)
-CHUNK = Codec(TokenChunk)
 HEARTBEAT = Codec(Heartbeat)
 
 # ABORTED at admission: decode dropped the request before acknowledging it (its orphan sweep
 # took this gateway for gone while a loaded host delayed its heartbeat), not the client's doing
 RETRY_ELSEWHERE = {ErrorCode.OVERLOADED, ErrorCode.SHUTTING_DOWN, ErrorCode.TOKENIZER_MISMATCH,
                    ErrorCode.ABORTED}
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected while its request was being served."""
 
 
 @dataclass(slots=True)
@@ -102,14 +97,6 @@ class Dispatch:
     probe: probe.Probe | None = None   # the last question to the instance (probe.py)
 
 
-class Lost(OpenAIError):
-    """The request's decode instance was lost (the request can be migrated)."""
-
-    def __init__(self, message: str, reason: str):
-        super().__init__(503, message, code=ErrorCode.INSTANCE_LOST.value)
-        self.reason = reason
-
-
 class DecodeClient:
     def __init__(self, nc, registry: Registry, instance_id: str, fingerprint: str,
                  submit_timeout_s: float, request_timeout_s: float, tick_s: float = 0.5,
@@ -125,23 +112,29 @@ class DecodeClient:
         self.request_timeout_s = request_timeout_s
         self.max_redispatch = max_redispatch
         self.max_migrations = max_migrations
-        self.progress_timeout_s = progress_timeout_s
-        self.first_chunk_timeout_s = first_chunk_timeout_s
-        self.probe_after_s = probe_after_s
-        self.tick_s = min(tick_s, registry.dead_after_s / 4)
         self.clock = clock
-        self.queues: dict[str, asyncio.Queue] = {}
-        self.failing = False        # fail_all ran: a SHUTTING_DOWN chunk is this gateway's
-        self.dropped_chunks = 0
-        self.bad_messages = 0
+        self.chunks = Chunks(nc, registry, request_timeout_s, tick_s, clock, progress_timeout_s,
+                             first_chunk_timeout_s, probe_after_s)
+        self.bad_messages = 0      # malformed heartbeats (chunks.bad_messages: chunks)
         self.affinity = PrefixAffinity()
-        self._reconnects, self._reconnected_at = 0, float("-inf")
         self.routed_warm = 0       # requests sent where their prefix was likely cached
         self._rng = random.Random()
 
     async def start(self) -> None:
         await self.nc.subscribe(subjects.heartbeats_all(), cb=self._on_heartbeat)
-        await self.nc.subscribe(self.reply_subject, cb=self._on_chunk)
+        await self.nc.subscribe(self.reply_subject, cb=self.chunks.on_message)
+
+    @property
+    def queues(self) -> dict[str, asyncio.Queue]:
+        """Requests waiting for chunks, by request id."""
+        return self.chunks.queues
+
+    async def next_chunk(self, d: Dispatch, deadline: float,
+                         client_gone: Callable[[], bool] | None = None) -> TokenChunk:
+        return await self.chunks.next(d, deadline, client_gone)
+
+    def fail_all(self, code: ErrorCode, message: str) -> int:
+        return self.chunks.fail_all(code, message)
 
     # ---- inbound -----------------------------------------------------------------------
     async def _on_heartbeat(self, msg) -> None:
@@ -150,21 +143,6 @@ class DecodeClient:
         except ContractError as e:
             self.bad_messages += 1
             log.warning("%s on %s", e, msg.subject)
-
-    async def _on_chunk(self, msg) -> None:
-        try:
-            chunk = CHUNK.decode(msg.data)
-        except ContractError as e:
-            self.bad_messages += 1
-            log.warning("%s on %s", e, msg.subject)
-            chunk = _salvage(msg.data, e)   # fail its request now rather than at the timeout
-            if chunk is None:
-                return
-        q = self.queues.get(chunk.request_id)
-        if q is None:
-            self.dropped_chunks += 1
-            return
-        q.put_nowait(chunk)
 
     # ---- submit ------------------------------------------------------------------------
     async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -213,14 +191,13 @@ class DecodeClient:
                                             prefer=sub.prefer)) is not None:
             rid = sub.request_id if not tried else f"{sub.request_id}.{len(tried)}"
             tried.add(inst)
-            queue: asyncio.Queue = asyncio.Queue()
-            self.queues[rid] = queue
+            queue = self.chunks.open(rid)
             self.registry.sent(inst)       # now: a burst of submissions spreads out
             try:
                 ack = await self._submit(inst, rid, sub)
             except BaseException:
                 self.registry.sent(inst, -1)
-                self.queues.pop(rid, None)     # whatever went wrong, nothing stays behind
+                self.chunks.close(rid)     # whatever went wrong, nothing stays behind
                 raise
             if isinstance(ack, str):
                 self.registry.sent(inst, -1)
@@ -239,6 +216,14 @@ class DecodeClient:
             why += ": " + "; ".join(reasons)
         raise OpenAIError(503, why, code="no_decode_instance")
 
+    async def _until_sighted(self, tried: set[str]) -> None:
+        """While blind with no live instance to choose, wait (up to submit_timeout_s) for
+        the heartbeats to come back rather than refuse at once."""
+        deadline = self.clock() + self.submit_timeout_s
+        while (self.chunks.blind() and self.registry.choose(self.clock(), tried) is None
+               and self.clock() < deadline):
+            await asyncio.sleep(0.1)
+
     async def _submit(self, inst: str, rid: str, sub: Submission) -> SubmitAck | str:
         """DecodeSubmit to one instance: its acknowledgement, or why to try another one
         (its chunk queue is dropped then); raises what another instance would not change."""
@@ -255,7 +240,7 @@ class DecodeClient:
                                               timeout=self.submit_timeout_s)
             return decode_reply(reply.data, reply.headers, ACK)
         except ServiceError as e:
-            self.queues.pop(rid, None)
+            self.chunks.close(rid)
             err = e.reply
             if err.code in RETRY_ELSEWHERE:
                 return f"{inst}: {err.code.value} ({err.message})"
@@ -265,108 +250,24 @@ class DecodeClient:
                                    f"{err.code.value}: {err.message}",
                               code=err.code.value) from None
         except nats.errors.NoRespondersError:
-            self.queues.pop(rid, None)
+            self.chunks.close(rid)
             return f"{inst}: not listening"
         except asyncio.CancelledError:     # the client left while decode was accepting
-            self.queues.pop(rid, None)
+            self.chunks.close(rid)
             await self._abort(inst, rid, "client")          # in case it did accept
             raise
         except (nats.errors.TimeoutError, asyncio.TimeoutError):
-            self.queues.pop(rid, None)
+            self.chunks.close(rid)
             await self._abort(inst, rid, "unacknowledged")   # in case it did accept
             return f"{inst}: no answer within {self.submit_timeout_s:g}s"
         except ContractError as e:
-            self.queues.pop(rid, None)
+            self.chunks.close(rid)
             await self._abort(inst, rid, "bad_ack")
             raise OpenAIError(502, f"decode instance {inst} sent a malformed "
                                    f"acknowledgement: {e}", code="bad_message") from None
         except nats.errors.Error as e:   # connection closed / draining / reconnecting
-            self.queues.pop(rid, None)
+            self.chunks.close(rid)
             return f"{inst}: {type(e).__name__}: {e}"
-
-    # ---- chunks ------------------------------------------------------------------------
-    async def next_chunk(self, d: Dispatch, deadline: float,
-                         client_gone: Callable[[], bool] | None = None) -> TokenChunk:
-        while True:
-            now = self.clock()
-            if now >= deadline:
-                raise OpenAIError(504, f"request did not finish within the gateway's "
-                                       f"request_timeout_s ({self.request_timeout_s:g}s)",
-                                  code="timeout")
-            if client_gone is not None and client_gone():
-                raise ClientGone(d.request_id)
-            try:
-                return self._in_order(d, d.queue.get_nowait())
-            except asyncio.QueueEmpty:
-                pass
-            try:
-                c = await asyncio.wait_for(d.queue.get(), min(self.tick_s, deadline - now))
-                return self._in_order(d, c)
-            except asyncio.TimeoutError:
-                pass
-            self._check_progress(d)
-            if self.nc.is_connected and probe.due(d.probe, d.progress_at, self.clock(),
-                                                  self.probe_after_s):
-                d.probe = await probe.ask(self.nc, d.instance, d.request_id, self.clock, 1.0)
-
-    def _in_order(self, d: Dispatch, c: TokenChunk) -> TokenChunk:
-        """A chunk whose seq is not the next one means one was lost: never a silent end. A
-        decode instance that shuts down (drained past its drain_timeout_s: a rolling restart)
-        hands its requests on: they migrate like a lost instance's."""
-        if (c.error is not None and c.error.code is ErrorCode.SHUTTING_DOWN
-                and not self.failing):
-            raise Lost(f"decode instance {d.instance} shut down while serving this request",
-                       "instance_shutdown")
-        if c.error is None:      # (error chunks made here carry no sequence)
-            if c.seq != d.next_seq:
-                raise Lost(f"decode instance {d.instance}: token chunk {d.next_seq} of this "
-                           f"request was lost (got {c.seq})", "chunk_gap")
-            d.next_seq += 1
-        d.progress_at = self.clock()
-        return c
-
-    def blind(self) -> bool:
-        """This gateway cannot judge decode liveness now: it is not connected to NATS, or
-        reconnected less than dead_after_s ago (heartbeats are only coming back). Silence
-        then says nothing about the instances."""
-        rc = self.nc.stats.get("reconnects", 0) if hasattr(self.nc, "stats") else 0
-        if rc != self._reconnects:
-            self._reconnects, self._reconnected_at = rc, self.clock()
-        return (not self.nc.is_connected
-                or self.clock() - self._reconnected_at < self.registry.dead_after_s)
-
-    async def _until_sighted(self, tried: set[str]) -> None:
-        """While blind with no live instance to choose, wait (up to submit_timeout_s) for
-        the heartbeats to come back rather than refuse at once."""
-        deadline = self.clock() + self.submit_timeout_s
-        while (self.blind() and self.registry.choose(self.clock(), tried) is None
-               and self.clock() < deadline):
-            await asyncio.sleep(0.1)
-
-    def _check_progress(self, d: Dispatch) -> None:
-        """Idle for a tick: is the instance still there, and is the request moving?"""
-        now = self.clock()
-        if self.blind():
-            return
-        if not self.registry.is_alive(d.instance, now):
-            silent = self.registry.silent_for(d.instance, now) or 0.0
-            conn = "" if self.nc.is_connected else " (this gateway is not connected to NATS)"
-            raise Lost(f"decode instance {d.instance} stopped sending heartbeats "
-                       f"({silent:.1f}s silent) while serving this request{conn}", "instance_dead")
-        if why := probe.verdict(d.probe, d.progress_at, d.next_seq):
-            raise Lost(f"decode instance {d.instance} {why}", "chunks_lost")
-        now_serving = self.registry.incarnation(d.instance)
-        if d.incarnation and now_serving and now_serving != d.incarnation:
-            raise Lost(f"decode instance {d.instance} restarted (a new process) while serving "
-                       "this request", "instance_restarted")
-        first = d.next_seq == 0        # a prompt's prefill: 8,000 tokens take ~60 s on 2 cores
-        limit = self.first_chunk_timeout_s if first else self.progress_timeout_s
-        if now - d.progress_at > limit:
-            what = "no first token" if first else "nothing"
-            raise Lost(f"decode instance {d.instance} sent {what} for this request in "
-                       f"{now - d.progress_at:.0f}s ("
-                       f"{'first_chunk_timeout_s' if first else 'progress_timeout_s'})",
-                       "no_progress")
 
     async def abort(self, d: Dispatch, reason: str) -> None:
         if not d.finished:
@@ -374,16 +275,7 @@ class DecodeClient:
             await self._abort(d.instance, d.request_id, reason)
 
     def release(self, d: Dispatch) -> None:
-        self.queues.pop(d.request_id, None)
-
-    def fail_all(self, code: ErrorCode, message: str) -> int:
-        """End every waiting request with an error chunk (shutdown after the grace); not
-        `finished`, so each is still aborted at its decode instance."""
-        self.failing = True         # this gateway shuts down: nothing to migrate to
-        for rid, q in self.queues.items():
-            q.put_nowait(TokenChunk(request_id=rid, finished=False,
-                                    error=ErrorReply(code=code, message=message, request_id=rid)))
-        return len(self.queues)
+        self.chunks.close(d.request_id)
 
     async def _abort(self, instance: str, request_id: str, reason: str) -> None:
         try:
@@ -391,15 +283,3 @@ class DecodeClient:
                                   encode(Abort(request_id=request_id, reason=reason)))
         except Exception as e:  # noqa: BLE001 - best effort; decode also times requests out
             log.warning("abort of %s on %s failed: %s", request_id, instance, e)
-
-
-def _salvage(data: bytes, err: Exception) -> TokenChunk | None:
-    """An error chunk for the request a malformed TokenChunk names, if it names one."""
-    try:
-        rid = msgspec.json.decode(data).get("request_id")
-    except (msgspec.DecodeError, AttributeError):
-        return None
-    if not isinstance(rid, str):
-        return None
-    return TokenChunk(request_id=rid, finished=False, error=ErrorReply(
-        code=ErrorCode.BAD_MESSAGE, message=f"sent a malformed token chunk: {err}", request_id=rid))

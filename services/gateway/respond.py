@@ -26,11 +26,12 @@ from aiohttp import web
 
 from shared.contracts.common import ErrorCode
 from shared.contracts.messages import FinishReason, TokenChunk
-from shared.toolcalls import parse_for, stream_for
+from shared.toolcalls import openai_deltas, parse_for, stream_for
 
 from . import protocol as P
 from .aborting import AbortOnExit, fail_stream
-from .dispatch import DecodeClient, Dispatch, Lost
+from .chunks import Lost
+from .dispatch import DecodeClient, Dispatch
 from .metrics import Metrics
 from .migrate import migrate
 from .protocol import OpenAIError, chunk_error
@@ -259,10 +260,14 @@ async def _stream(request, client, ans: Answer, rid, deadline) -> web.StreamResp
 
 class SseStream:
     """One streamed answer's chunks, written to its response. Only content deltas mark
-    the answer as sent (the role chunk does not: a re-dispatch is still possible)."""
+    the answer as sent (the role chunk does not: a re-dispatch is still possible).
+    index: the choice's (n > 1, choices.py); own_usage: whether it ends with its own
+    usage chunk (a choice does not: the request's, over every choice, ends the stream)."""
 
-    def __init__(self, resp: web.StreamResponse, ans: Answer, rid: str, created: int):
+    def __init__(self, resp: web.StreamResponse, ans: Answer, rid: str, created: int,
+                 index: int = 0, own_usage: bool = True):
         self.resp, self.ans, self.rid, self.created = resp, ans, rid, created
+        self.index, self.own_usage = index, own_usage
         self.o = ans.prep.options
 
     async def relay(self, client, deadline: float, gone: Callable[[], bool]) -> None:
@@ -274,17 +279,17 @@ class SseStream:
             c = await next_chunk(client, ans, deadline, gone)
             text, lp = ans.add(c)
             if ans.parser is not None:
-                await self.write_deltas(ans.parser.feed(text) if text else [], lp,
+                await self.write_deltas(openai_deltas(ans.parser.feed(text)) if text else [], lp,
                                         c.token_ids if o.return_token_ids else None)
             elif text or lp or (o.return_token_ids and c.token_ids):
                 await self.write(self.chunk(text, lp=lp, ids=c.token_ids))
         finish = ans.finish_reason
         if ans.parser is not None:
-            await self.write_deltas(ans.parser.finish(), None, None)
+            await self.write_deltas(openai_deltas(ans.parser.finish()), None, None)
             if ans.parser.has_tool_calls:
                 finish = FinishReason.TOOL_CALLS.value
         await self.resp.write(self.chunk("", finish=finish, stop_reason=ans.stop_reason))
-        if o.include_usage:
+        if o.include_usage and self.own_usage:
             await self.resp.write(P.sse(P.usage_chunk(self.rid, self.created, o.model, o.chat,
                                                       ans.usage)))
 
@@ -300,6 +305,7 @@ class SseStream:
         else:
             body = P.completion_chunk(self.rid, self.created, o.model, text, finish, lp,
                                       o.include_usage)
+        body["choices"][0]["index"] = self.index
         if o.return_token_ids and ids:
             body["choices"][0]["token_ids"] = ids
         if stop_reason == REPETITION:
@@ -319,6 +325,7 @@ class SseStream:
         for k, delta in enumerate(deltas):
             body = P.chat_chunk(self.rid, self.created, self.o.model, delta, None,
                                 lp if k == 0 else None, self.o.include_usage)
+            body["choices"][0]["index"] = self.index
             if ids and k == 0:
                 body["choices"][0]["token_ids"] = ids
             await self.write(P.sse(body))

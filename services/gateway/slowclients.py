@@ -16,7 +16,7 @@ from collections import Counter
 
 from aiohttp import web
 
-from .dispatch import ClientGone
+from .chunks import ClientGone
 from .protocol import OpenAIError, overloaded
 
 

@@ -12,7 +12,8 @@ import time
 import nats
 import pytest
 
-from services.gateway.dispatch import DecodeClient, Lost
+from services.gateway.chunks import Lost
+from services.gateway.dispatch import DecodeClient
 from services.gateway.registry import Registry
 from shared import subjects
 from shared.contracts.common import Codec, ErrorCode, ErrorReply, encode
@@ -100,7 +101,7 @@ async def test_a_long_prefill_is_waited_for_but_a_stalled_stream_moves_on(nats_u
     minute on 2 cores): a live instance gets first_chunk_timeout_s. Once tokens flow, a
     gap of progress_timeout_s is a lost chunk and the request moves on."""
     nc, reg, client, d = await _accepted(nats_url)
-    client.progress_timeout_s, client.first_chunk_timeout_s = 0.3, 30.0
+    client.chunks.progress_timeout_s, client.chunks.first_chunk_timeout_s = 0.3, 30.0
 
     hb = asyncio.ensure_future(_heartbeats(reg))
     with pytest.raises(asyncio.TimeoutError):          # 1.5 s of prefill: still waiting
@@ -131,7 +132,7 @@ async def test_a_silent_request_asks_and_moves_on_when_its_chunks_were_lost(nats
     it no longer serves the request (it ended it). Lost within a second or so, not after
     progress_timeout_s (60 s) or, before the first token, first_chunk_timeout_s (600 s)."""
     nc, reg, client, d = await _accepted(nats_url)
-    client.probe_after_s, client.tick_s = 0.2, 0.05
+    client.chunks.probe_after_s, client.chunks.tick_s = 0.2, 0.05
     await _answers(nc, sent)
     hb = asyncio.ensure_future(_heartbeats(reg))
     d.queue.put_nowait(TokenChunk(request_id="r1", seq=0, token_ids=[7], finished=False))
@@ -148,7 +149,7 @@ async def test_a_request_still_prefilling_asks_and_keeps_waiting(nats_url):
     """The instance answers with what arrived (no chunk sent yet: a long prompt's prefill):
     the request waits on."""
     nc, reg, client, d = await _accepted(nats_url)
-    client.probe_after_s, client.tick_s = 0.2, 0.05
+    client.chunks.probe_after_s, client.chunks.tick_s = 0.2, 0.05
     await _answers(nc, 0)
     hb = asyncio.ensure_future(_heartbeats(reg))
     with pytest.raises(asyncio.TimeoutError):
@@ -162,7 +163,7 @@ async def test_an_answer_that_overtook_its_chunk_moves_nothing(nats_url):
     """The answer (2 sent) arrives before chunk 1, sent just before it on another
     subscription: that chunk still counts, and the request goes on."""
     nc, reg, client, d = await _accepted(nats_url)
-    client.probe_after_s, client.tick_s = 0.2, 0.3
+    client.chunks.probe_after_s, client.chunks.tick_s = 0.2, 0.3
     late = TokenChunk(request_id="r1", seq=1, token_ids=[8], finished=False)
     await _answers(nc, 2, lambda: asyncio.get_running_loop().call_later(
         0.05, d.queue.put_nowait, late))

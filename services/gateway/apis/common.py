@@ -2,6 +2,7 @@
 (`run`), its chunks with re-dispatch (`Turn`), and its text as blocks, text or tool calls,
 whole (`whole_blocks`) or as it streams (`BlockStream`).
 
+Intake (read, parse, admit, name) is the chat path's own (services/gateway/intake.py).
 A translated request is a `Job`: the chat-path `Prepared` (prompt ids, SamplingParams with
 the model's defaults, the tools / JSON Constraint that crosses PD in the prefill job) plus
 the API's own facts (`ctx`) its answer needs. Streams send their headers only once the
@@ -11,7 +12,6 @@ failed) still gets an HTTP error status in the API's own error shape.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from shared.contracts.messages import TokenChunk
-from shared.toolcalls import parse_for, stream_for
+from shared.toolcalls import Call, Text, parse_for, stream_for
 
-from .. import auth
+from .. import intake
 from ..aborting import AbortOnExit
 from ..respond import SSE_HEADERS, Answer, next_chunk
 from ..slowclients import sse_response
@@ -36,13 +36,6 @@ class Job:
     prep: Prepared
     stream: bool
     ctx: Any = None          # the API's request facts its answer echoes or stores
-
-
-@dataclass(slots=True)
-class Call:
-    id: str                  # call_<24 hex>
-    name: str
-    arguments: str           # JSON text of an object
 
 
 class Turn:
@@ -73,7 +66,7 @@ class Turn:
                 await start()
             yield c, text
 
-    async def events(self) -> AsyncIterator[tuple[str, Any]]:
+    async def events(self) -> AsyncIterator[Text | Call]:
         """The output as BlockStream events while it streams, then its final ones. A
         re-dispatch (only before anything was sent) starts the parse afresh."""
         blocks, d = BlockStream(self.rid, self.tools, self.job.prep.constraint), self.ans.d
@@ -108,23 +101,14 @@ class Turn:
 async def run(gw: Gateway, request: web.Request, parse: Callable[[bytes, Any], Job],
               respond: Callable[[Turn], Awaitable[web.StreamResponse]],
               id_prefix: str) -> web.StreamResponse:
-    """Read, translate (gw.prepare: off the event loop), dispatch, answer; decode is told
-    to abort whatever did not finish (client gone, error, timeout)."""
-    arrival = time.monotonic()
-    job = await gw.prepare(parse, await gw.read_body(request))   # 408 past --body-timeout-s
-    key = request.get(auth.TENANT, "")
-    gw.admit(key)        # in flight from here; 503 draining, 429 past the caps (all, per key)
-    try:
-        rid = f"{id_prefix}_{uuid.uuid4().hex}"
-        p = job.prep
-        d = await gw.client.submit(rid, p.prompt_ids, p.params, p.constraint,
-                                   p.options.force_path, gw.cache_salt(request, p))
-        gw.metrics.placements.inc(placement=d.path.value)
-        ans = Answer(p, d, arrival, gw.metrics, gw.token_text, rid)
+    """Through the one intake (intake.generate), dispatch, answer; decode is told to abort
+    whatever did not finish (client gone, error, timeout)."""
+    async def answer(job: Job, rid: str, arrival: float) -> web.StreamResponse:
+        d = await intake.submit(gw, request, job.prep, rid)
+        ans = Answer(job.prep, d, arrival, gw.metrics, gw.token_text, rid)
         async with AbortOnExit(gw.client, gw.metrics, [ans]):
             return await respond(Turn(gw, request, ans, job, rid))
-    finally:
-        gw.done(key)
+    return await intake.generate(gw, request, parse, f"{id_prefix}_", answer)
 
 
 # ---- blocks ------------------------------------------------------------------------------
@@ -137,39 +121,22 @@ def whole_blocks(text: str, rid: str, tools: bool, constraint=None
     if not tools:
         return text, []
     content, calls = parse_for(constraint, text, rid)
-    return content, [Call(c["id"], c["function"]["name"], c["function"]["arguments"])
-                     for c in calls]
+    return content, [Call(i, c["id"], c["function"]["name"], c["function"]["arguments"])
+                     for i, c in enumerate(calls)]
 
 
 class BlockStream:
-    """Text deltas -> events: ("text", str) or ("call", Call), in output order. A call is
-    whole when its close tag arrives (ToolCallStreamParser holds back anything that may
-    still become a tag); without tools every delta is text."""
+    """Text deltas -> the tool parser's events (shared.toolcalls: `Text`, or a whole
+    `Call` once its close marker arrives), in output order; without tools every delta is
+    text."""
 
     def __init__(self, rid: str, tools: bool, constraint=None):
         self.parser = stream_for(constraint, rid) if tools else None
-        self._head: dict | None = None
 
-    def feed(self, text: str) -> list[tuple[str, Any]]:
-        if self.parser is None:
-            return [("text", text)] if text else []
-        return self._events(self.parser.feed(text)) if text else []
+    def feed(self, text: str) -> list[Text | Call]:
+        if not text:
+            return []
+        return [Text(text)] if self.parser is None else self.parser.feed(text)
 
-    def finish(self) -> list[tuple[str, Any]]:
-        return self._events(self.parser.finish()) if self.parser is not None else []
-
-    def _events(self, deltas: list[dict]) -> list[tuple[str, Any]]:
-        out: list[tuple[str, Any]] = []
-        for d in deltas:
-            if "content" in d:
-                out.append(("text", d["content"]))
-                continue
-            tc = d["tool_calls"][0]
-            if "id" in tc:                       # the call's head: id, name
-                self._head = tc
-            else:                                # its arguments: the call is whole
-                head = self._head or {}
-                out.append(("call", Call(head.get("id", ""), head.get("function", {})
-                                         .get("name", ""), tc["function"]["arguments"])))
-                self._head = None
-        return out
+    def finish(self) -> list[Text | Call]:
+        return self.parser.finish() if self.parser is not None else []

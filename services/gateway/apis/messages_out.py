@@ -16,11 +16,12 @@ import json
 from aiohttp import web
 
 from shared.contracts.messages import FinishReason
+from shared.toolcalls import Call, Text
 
 from .. import protocol as P
 from ..aborting import fail_stream
 from ..protocol import OpenAIError
-from .common import Call, Turn, whole_blocks
+from .common import Turn, whole_blocks
 from .messages import Ctx
 
 # HTTP status -> Anthropic error type
@@ -146,8 +147,8 @@ async def respond_stream(turn: Turn) -> web.StreamResponse:
     ev = _Events(turn)
     turn.on_start = ev.start
     try:
-        async for kind, value in turn.events():
-            await (ev.text(value) if kind == "text" else ev.call(value))
+        async for e in turn.events():
+            await (ev.text(e.text) if isinstance(e, Text) else ev.call(e))
         await ev.finish()
     except OpenAIError as e:
         if turn.resp is None:

@@ -20,12 +20,13 @@ import msgspec
 from aiohttp import web
 
 from shared.contracts.messages import FinishReason
+from shared.toolcalls import Call, Text
 
 from .. import protocol as P
 from ..aborting import fail_stream
 from ..auth import TENANT
 from ..protocol import OpenAIError
-from .common import Call, Turn, whole_blocks
+from .common import Turn, whole_blocks
 from .responses import Ctx
 from .store import ResponseStore
 
@@ -195,8 +196,8 @@ async def respond_stream(turn: Turn, store: ResponseStore) -> web.StreamResponse
     ev = _Events(turn)
     turn.on_start = ev.start
     try:
-        async for kind, value in turn.events():
-            await (ev.text(value) if kind == "text" else ev.call(value))
+        async for e in turn.events():
+            await (ev.text(e.text) if isinstance(e, Text) else ev.call(e))
         body = await ev.finish()
     except OpenAIError as e:
         if turn.resp is None:          # nothing sent yet: a plain HTTP error
