@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 import socket
 import time
@@ -25,7 +24,7 @@ import nats
 from nats.micro import add_service
 from nats.micro.request import Request
 
-from shared import replies, subjects, tracing
+from shared import logs, replies, subjects, tracing
 from shared.contracts.common import Codec, ContractError, ErrorCode, ErrorReply, encode
 from shared.contracts.messages import Health, Heartbeat
 from shared.natsconn import NatsAuth, connect_kwargs
@@ -48,9 +47,9 @@ def new_instance_id(service: str) -> str:
     return subjects.instance_token(f"{service}_{socket.gethostname()}_{uuid.uuid4().hex[:6]}")
 
 
-def setup_logging(level: str | None = None) -> None:
-    logging.basicConfig(level=(level or os.environ.get("PDMESH_LOG", "INFO")).upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def setup_logging(service: str | None = None, level: str | None = None) -> None:
+    """PDMESH_LOG (level) and PDMESH_LOG_FORMAT (text or json): shared/logs.py."""
+    logs.setup(service, level)
 
 
 _HTTP_CODE = {ErrorCode.BAD_MESSAGE: "400", ErrorCode.INVALID_REQUEST: "400",
@@ -66,6 +65,7 @@ class ServiceRuntime:
         identity and TLS (its settings' `nats`); None: from PDMESH_NATS_* in the env."""
         self.service = service
         self.instance_id = instance_id
+        logs.set_identity(service, instance_id)     # every JSON log line names them
         self.nats_url = nats_url
         self.auth = auth
         self.stats = stats or (lambda: {})

@@ -152,7 +152,7 @@ def service_main(name: str, config_cls: type, serve: Callable[[Any], Any],
     from shared import tracing
     from shared.service import setup_logging
 
-    setup_logging()
+    setup_logging(name)
     try:
         cfg = load(config_cls, argv, prog=f"python -m services.{name}")
         tracing.configure(getattr(cfg, "otlp_endpoint", ""), name)     # off unless set

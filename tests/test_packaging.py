@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -50,8 +51,12 @@ def test_test_lint_and_triton_packages_stay_out_of_the_runtime():
 
 
 def test_the_wheel_carries_what_the_code_opens(tmp_path):
+    src = tmp_path / "src"        # a copy: an in-tree build would leave build/ behind
+    for top in ("pdmesh", "shared", "services", "kernels"):
+        shutil.copytree(ROOT / top, src / top, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", src)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                    "--no-build-isolation", "-w", str(tmp_path), str(ROOT)], check=True,
+                    "--no-build-isolation", "-w", str(tmp_path), str(src)], check=True,
                    timeout=300)
     (whl,) = tmp_path.glob("pdmesh-*.whl")
     with zipfile.ZipFile(whl) as z:

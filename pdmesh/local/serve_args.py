@@ -31,7 +31,8 @@ DEFAULTS: dict[str, Any] = dict(
     act_int8=False, chat_template=None, tool_call_parser="auto", enable_prefix_caching=None,
     api_key=None, deterministic=None, mode=None, speculation=True, threads="auto",
     no_kvstore=False, extra_env=None,
-    set=None, log_dir=None, startup_timeout=300.0, restart_limit=5, restart_window=60.0)
+    set=None, log_dir=None, log_format="text", startup_timeout=300.0, restart_limit=5,
+    restart_window=60.0)
 
 QUANTIZATION_HELP = (
     "weights of decode's and prefill's linear layers: int4 (groups of 32; a layer whose "
@@ -147,6 +148,9 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
     _add(conf, "--extra-env", action="append", metavar="K=V", shown="none",
          help="environment for every service; repeatable")
     _add(conf, "--log-dir", shown="none", help="also write each service's log here")
+    _add(conf, "--log-format", choices=("text", "json"),
+         help="each service's log lines: text, or one JSON object a line (time, level, "
+              "service, instance, request_id, trace_id, message); PDMESH_LOG sets the level")
     _add(conf, "--startup-timeout", type=float, metavar="S",
          help="seconds until every service is ready")
 
@@ -262,7 +266,8 @@ def cluster_kwargs(args) -> dict[str, Any]:
         nats_cluster=v["nats_cluster"],
         nats_auth=v["nats_auth"], nats_tls=v["tls"],
         threads="auto" if v["threads"] == "auto" else None, kvstore=not v["no_kvstore"],
-        overrides=overrides, extra_env=dict(parse_kv(s) for s in v["extra_env"] or []),
+        overrides=overrides, extra_env={"PDMESH_LOG_FORMAT": v["log_format"]}
+        | dict(parse_kv(s) for s in v["extra_env"] or []),
         log_dir=v["log_dir"], startup_timeout_s=v["startup_timeout"],
         restart_limit=v["restart_limit"], restart_window_s=v["restart_window"])
 

@@ -24,7 +24,7 @@ from shared.contracts.common import ErrorCode
 from shared.contracts.messages import Heartbeat
 from shared.service import ServiceRuntime
 
-from . import auth, intake, limits, protocol as P, trace
+from . import access, auth, intake, limits, protocol as P, trace
 from .apis.routes import add_routes, api_error_response
 from .choices import answer_n
 from .chunks import ClientGone
@@ -50,7 +50,7 @@ class Gateway:
     def __init__(self, cfg: GatewayConfig, spec: ModelSpec):
         self.cfg, self.spec = cfg, spec
         self.registry = Registry(cfg.decode_dead_after_s, spec.tokenizer.fingerprint)
-        self.metrics = Metrics()
+        self.metrics = Metrics(spec.name)
         self.runtime = ServiceRuntime("gateway", cfg.instance_id, cfg.nats_url, stats=self.stats,
                                       description="pdmesh gateway: OpenAI-compatible REST",
                                       auth=cfg.nats)
@@ -294,7 +294,8 @@ async def metrics(request: web.Request) -> web.Response:
     t = gw.registry.totals(time.monotonic())
     kv, group = await asyncio.gather(kvstore_stats(gw.runtime.nc),
                                      prefill_group_gauges(gw.runtime.nc))
-    text = gw.metrics.render(group | {
+    text = gw.metrics.render(group | gw.metrics.vllm.gauges(
+        t["running"], t["waiting"], t["blocks_used"], t["blocks_free"]) | {
         "pdmesh_routed_prefix_warm_total": ("Requests routed to the decode instance that "
                                             "last served their prefix.", gw.client.routed_warm),
         **{f"pdmesh_kvstore_{k}": (KVSTORE_GAUGES[k], kv[k]) for k in KVSTORE_GAUGES if k in kv},
@@ -348,8 +349,11 @@ def _http_error(e: web.HTTPException, request: web.Request) -> OpenAIError:
 
 @web.middleware
 async def _errors(request: web.Request, handler) -> web.StreamResponse:
-    counter = request.app[GATEWAY].metrics.requests
+    gw = request.app[GATEWAY]
+    counter = gw.metrics.requests
     route = _route(request)
+    t0 = time.monotonic()
+    access.start(request)
     try:
         resp = await handler(request)
     except OpenAIError as e:
@@ -365,6 +369,8 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
                                                     code="client_gone"))
     except asyncio.CancelledError:
         counter.inc(path=route, status="499")
+        if gw.cfg.access_log:
+            access.log_access(request, 499, time.monotonic() - t0)
         raise
     except Exception:  # noqa: BLE001 - a bug here; the client still gets a JSON error
         ref = uuid.uuid4().hex[:12]     # the log has the traceback; the client, a reference
@@ -373,4 +379,6 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
         resp = _error_response(request, OpenAIError(500, f"internal error in the gateway "
                                                          f"(reference {ref})", code="internal"))
     counter.inc(path=route, status=str(resp.status))
+    if gw.cfg.access_log:
+        access.log_access(request, resp.status, time.monotonic() - t0)
     return resp

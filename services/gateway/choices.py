@@ -29,7 +29,7 @@ from aiohttp import web
 
 from shared.contracts.messages import TokenChunk
 
-from . import intake, protocol as P
+from . import access, intake, protocol as P
 from .aborting import AbortOnExit, close
 from .protocol import OpenAIError
 from .respond import SSE_HEADERS, Answer, SseStream, client_gone, next_chunk, whole_body
@@ -130,6 +130,7 @@ async def answer_n(request: web.Request, gw: Gateway, prep: Prepared, rid: str,
                    arrival: float) -> web.StreamResponse:
     """The HTTP answer of a request with n > 1 (JSON or SSE)."""
     ch = Choices(gw, request, prep, rid, arrival)
+    access.note(request, ch.answers)          # (filled as the choices are dispatched)
     async with AbortOnExit(gw.client, gw.metrics, ch.answers):
         await ch.dispatch(0)
         if prep.options.stream:

@@ -51,6 +51,9 @@ class GatewayConfig:
         "wait this long for a decode instance to accept a request, then try the next"))
     drain_grace_s: float = field(default=10.0, metadata=_help(
         "on SIGTERM, let in-flight requests finish for this long"))
+    access_log: bool = field(default=True, metadata=_help(
+        "one log line per HTTP request (logger pdmesh.access: status, latency, tokens, TTFT, "
+        "pd or colocated, a tenant digest); --no-access-log turns it off"))
     max_body_bytes: int = field(default=32 << 20, metadata=_help(
         "larger request bodies get 413"))
     generation_config: bool = field(default=True, metadata=_help(

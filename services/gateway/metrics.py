@@ -8,6 +8,15 @@ one), plus gauges read when /metrics is scraped.
     m.render(gauges={"pdmesh_requests_in_flight": (help, 3)}) -> str   (format 0.0.4)
 
 A gauge whose name ends in `_total` is exposed as a counter (it only grows).
+
+Beside the `pdmesh_*` names, the series a vLLM dashboard (and the Gateway API Inference
+Extension's model-server protocol) reads, under vLLM's names with a `model_name` label:
+`vllm:time_to_first_token_seconds`, `vllm:inter_token_latency_seconds`,
+`vllm:e2e_request_latency_seconds` (histograms), `vllm:prompt_tokens_total`,
+`vllm:generation_tokens_total`, `vllm:request_success_total{finished_reason}`,
+`vllm:prefix_cache_queries_total` / `_hits_total` (prompt tokens looked up / served from a
+prefix cache), and at each scrape `vllm:num_requests_running` / `_waiting` and
+`vllm:kv_cache_usage_perc` (a ratio, 0..1) over the decode instances' heartbeats.
 """
 from __future__ import annotations
 
@@ -46,13 +55,63 @@ class Counter:
 
 class Histogram:
     def __init__(self, name: str, help_: str, buckets: tuple[float, ...],
-                 registry: CollectorRegistry | None = None):
-        self._h = _PHistogram(name, help_, buckets=buckets, registry=registry)
+                 registry: CollectorRegistry | None = None, labels: dict[str, str] | None = None):
+        """labels: fixed label values (vLLM's model_name)."""
+        h = _PHistogram(name, help_, tuple(labels or ()), buckets=buckets, registry=registry)
+        self._h = h.labels(**labels) if labels else h
 
     def observe(self, v: float, n: int = 1) -> None:
         """n observations of v (e.g. the mean gap of n tokens that arrived together)."""
         for _ in range(n):
             self._h.observe(v)
+
+
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class VllmSeries:
+    """vLLM's request-level series for one served model (model_name label)."""
+
+    def __init__(self, model_name: str, r: CollectorRegistry):
+        m = {"model_name": model_name}
+        self.model_name = model_name
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
+                              TTFT_BUCKETS, r, m)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency.",
+                             ITL_BUCKETS, r, m)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End to end request latency.",
+                             E2E_BUCKETS, r, m)
+        self._prompt = _PCounter("vllm:prompt_tokens", "Prefill tokens processed.",
+                                 ["model_name"], registry=r).labels(**m)
+        self._generation = _PCounter("vllm:generation_tokens", "Generation tokens processed.",
+                                     ["model_name"], registry=r).labels(**m)
+        self._success = _PCounter("vllm:request_success", "Successfully finished requests.",
+                                  ["model_name", "finished_reason"], registry=r)
+        self._queries = _PCounter("vllm:prefix_cache_queries",
+                                  "Prompt tokens looked up in a prefix cache.", ["model_name"],
+                                  registry=r).labels(**m)
+        self._hits = _PCounter("vllm:prefix_cache_hits",
+                               "Prompt tokens served from a prefix cache.", ["model_name"],
+                               registry=r).labels(**m)
+
+    def finished(self, prompt: int, generated: int, cached: int, reason: str,
+                 e2e_s: float) -> None:
+        self._prompt.inc(prompt)
+        self._generation.inc(generated)
+        self._queries.inc(prompt)
+        self._hits.inc(cached)
+        self._success.labels(model_name=self.model_name, finished_reason=reason).inc()
+        self.e2e.observe(e2e_s)
+
+    def gauges(self, running: int, waiting: int, used: int, free: int) -> dict:
+        """The scrape-time series, for Metrics.render (value: {labels: value})."""
+        m = (("model_name", self.model_name),)
+        return {"vllm:num_requests_running": ("Requests in the decode batches.",
+                                              {m: running}),
+                "vllm:num_requests_waiting": ("Requests waiting to be scheduled.", {m: waiting}),
+                "vllm:kv_cache_usage_perc": ("KV cache usage (1 means 100 percent).",
+                                             {m: used / (used + free) if used + free else 0.0})}
 
 
 class _Scrape:
@@ -64,7 +123,13 @@ class _Scrape:
     def collect(self) -> Iterable[Metric]:
         yield from self.registry.collect()
         for name, (help_, value) in self.gauges.items():
-            if isinstance(value, dict):       # {instance: value}: one sample per instance
+            if isinstance(value, dict) and value and isinstance(next(iter(value)), tuple):
+                labels = [k for k, _ in next(iter(value))]     # {((label, v), ...): value}
+                g = GaugeMetricFamily(name, help_, labels=labels)
+                for key, v in value.items():
+                    g.add_metric([lv for _, lv in key], v)
+                yield g
+            elif isinstance(value, dict):       # {instance: value}: one sample per instance
                 g = GaugeMetricFamily(name, help_, labels=["instance"])
                 for inst, v in sorted(value.items()):
                     g.add_metric([inst], v)
@@ -76,8 +141,9 @@ class _Scrape:
 
 
 class Metrics:
-    def __init__(self):
+    def __init__(self, model_name: str = "pdmesh"):
         r = self.registry = CollectorRegistry(auto_describe=True)
+        self.vllm = VllmSeries(model_name, r)
         self.requests = Counter("pdmesh_requests_total", "HTTP requests by route and status.",
                                 ("path", "status"), r)
         self.failures = Counter("pdmesh_request_failures_total",

@@ -28,7 +28,7 @@ from shared.contracts.common import ErrorCode
 from shared.contracts.messages import FinishReason, TokenChunk
 from shared.toolcalls import openai_deltas, parse_for, stream_for
 
-from . import protocol as P
+from . import access, protocol as P
 from .aborting import AbortOnExit, fail_stream
 from .chunks import Lost
 from .dispatch import DecodeClient, Dispatch
@@ -54,6 +54,7 @@ class Answer:
         self.token_text, self.rid = token_text, rid
         self.sent = False           # a stream wrote output to the client: no restart
         self._last_token_at: float | None = None
+        self.ttft_s: float | None = None    # arrival to the first token (the access log)
         self.restart(d)
 
     def resume(self, d: Dispatch) -> None:
@@ -107,6 +108,10 @@ class Answer:
             self.stop_reason = chunk.stop_reason
             self.metrics.prompt_tokens.inc(self.prompt_tokens)
             self.metrics.cached_tokens.inc(self.cached_tokens)
+            self.metrics.vllm.finished(self.prompt_tokens, self.base + self.counted,
+                                       self.cached_tokens,
+                                       getattr(chunk.finish_reason, "value", chunk.finish_reason),
+                                       time.monotonic() - self.arrival)
             if self.spec[0]:
                 self.metrics.spec_accept_length.observe(P.spec_usage(*self.spec)
                                                         ["spec_accept_length"])
@@ -119,9 +124,12 @@ class Answer:
             return
         now = time.monotonic()
         if self._last_token_at is None:
-            self.metrics.ttft.observe(now - self.arrival)
+            self.ttft_s = now - self.arrival
+            self.metrics.ttft.observe(self.ttft_s)
+            self.metrics.vllm.ttft.observe(self.ttft_s)
         else:
             self.metrics.itl.observe((now - self._last_token_at) / n, n)
+            self.metrics.vllm.itl.observe((now - self._last_token_at) / n, n)
         self._last_token_at = now
 
     def _logprobs(self, chunk: TokenChunk) -> dict | None:
@@ -197,6 +205,7 @@ async def answer(request: web.Request, client: DecodeClient, d: Dispatch, prep: 
                  token_text: Callable[[int], str]) -> web.StreamResponse:
     deadline = arrival + client.request_timeout_s
     ans = Answer(prep, d, arrival, metrics, token_text, rid)
+    access.note(request, [ans])
     async with AbortOnExit(client, metrics, [ans]):
         if prep.options.stream:
             return await _stream(request, client, ans, rid, deadline)

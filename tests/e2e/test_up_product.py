@@ -1,13 +1,18 @@
 """`pdmesh up` as vLLM's users launch it (issue 28): vLLM's everyday flags behave as vLLM's do,
 and the supervisor gives up on a crash loop, saying which child and why. A real `pdmesh up`
-subprocess, found through its run record; the tiny model, auth on (the default)."""
+subprocess, found through its run record; the tiny model, auth on (the default), logs as
+JSON lines (--log-format json) with the engines' throughput line every second."""
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import time
+from pathlib import Path
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdmesh.local.launched import UpMesh
 from tests.conftest import TINY_TARGET
@@ -19,7 +24,8 @@ KEY = "k-" + "x" * 30
 def up():
     loop = asyncio.new_event_loop()
     m = UpMesh("--model", str(TINY_TARGET), "--prefill", "0", "--api-key", KEY,
-               "--max-model-len", "512", "--served-model-name", "tiny", "--restart-limit", "2")
+               "--max-model-len", "512", "--served-model-name", "tiny", "--restart-limit", "2",
+               "--log-format", "json", env={"PDMESH_LOG_STATS_S": "1"})
     try:
         loop.run_until_complete(m.start())
         yield m, loop
@@ -57,6 +63,82 @@ def test_api_key_served_model_name_and_max_model_len_as_vllm(up):
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
 
 
+def json_lines(m: UpMesh, child: str) -> list[dict]:
+    """The child's log lines (`[child] {...}` in pdmesh up's output), each one JSON object."""
+    prefix = f"[{child}] "
+    lines = [line[len(prefix):] for line in list(m.lines) if line.startswith(prefix)]
+    return [json.loads(line) for line in lines]      # a line that is not JSON fails here
+
+
+def test_logs_are_json_with_an_access_line_and_a_throughput_line(up):
+    m, _ = up
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "def add(a, b):"}],
+            "max_tokens": 8}
+    status, body = run(up, _get(m.url + "/v1/chat/completions", KEY, chat))
+    assert status == 200, body
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        access = [r for r in json_lines(m, "gateway-0") if r["logger"] == "pdmesh.access"
+                  and r.get("request_id") == body["id"]]
+        stats = [r for r in json_lines(m, "decode-0") if r["logger"] == "pdmesh.engine.stats"
+                 and r["generation_tok_s"] > 0]
+        if access and stats:
+            break
+        time.sleep(0.5)
+    assert access, m.tail(40)
+    a = access[-1]
+    assert a["service"] == "gateway" and a["instance"] and a["level"] == "info"
+    assert (a["method"], a["path"], a["status"]) == ("POST", "/v1/chat/completions", 200)
+    assert a["prompt_tokens"] == body["usage"]["prompt_tokens"]
+    assert a["completion_tokens"] == body["usage"]["completion_tokens"]
+    assert a["placement"] in ("pd", "colocated") and a["ttft_ms"] <= a["latency_ms"]
+    assert KEY not in json.dumps(a)                      # never the key
+    assert stats, m.tail(40)
+    s = stats[-1]
+    assert s["service"] == "decode" and 0 <= s["kv_usage"] <= 1 and "running" in s
+    assert all(r["time"].endswith("Z") and r["message"] for r in json_lines(m, "decode-0"))
+
+
+def test_metrics_carry_vllm_names_for_the_served_model(up):
+    m, _ = up
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "x = "}], "max_tokens": 4}
+    status, body = run(up, _get(m.url + "/v1/chat/completions", KEY, chat))
+    assert status == 200, body
+    text = run(up, scrape(m))
+    for series in ('vllm:time_to_first_token_seconds_count{model_name="tiny"}',
+                   'vllm:inter_token_latency_seconds_count{model_name="tiny"}',
+                   'vllm:e2e_request_latency_seconds_count{model_name="tiny"}',
+                   'vllm:generation_tokens_total{model_name="tiny"}',
+                   'vllm:request_success_total{finished_reason="length",model_name="tiny"}',
+                   'vllm:num_requests_running{model_name="tiny"}',
+                   'vllm:kv_cache_usage_perc{model_name="tiny"}'):
+        assert series in text, series
+
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "pdmesh.json"
+
+
+def test_the_grafana_dashboard_reads_only_series_the_mesh_exposes(up):
+    """Every series a panel of deploy/grafana/pdmesh.json queries is a metric family the
+    live gateway's /metrics declares."""
+    text = run(up, scrape(up[0]))
+    families = {f.name for f in text_string_to_metric_families(text)}
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    names = set(re.findall(r"\b(?:vllm:|pdmesh_)[a-z0-9_:]+", " ".join(exprs)))
+    assert len(names) >= 15, names
+    missing = [n for n in sorted(names) if n not in families
+               and re.sub(r"_total$", "", re.sub(r"_(bucket|count|sum)$", "", n)) not in families]
+    assert not missing, missing
+
+
+async def scrape(m: UpMesh) -> str:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(m.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}) as r:
+            assert r.status == 200
+            return await r.text()
+
+
 def test_a_crash_loop_stops_the_mesh_naming_the_child(up):
     m, _ = up
     old = m.sigkill("kvstore-0")
@@ -69,3 +151,4 @@ def test_a_crash_loop_stops_the_mesh_naming_the_child(up):
     out = m.tail(200)
     assert "kvstore-0 exited 2 times within 60 s (crash loop" in out
     assert "pdmesh: stopped" in out
+

@@ -99,3 +99,29 @@ def test_prometheus_text():
     assert "_created" not in text
     other = Metrics()                                      # a second gateway: its own registry
     assert other.requests.total() == 0 and "status=" not in other.render({})
+
+
+def test_vllm_series_with_the_model_name():
+    """The names and labels a vLLM dashboard reads, beside pdmesh's own."""
+    m = Metrics("my-model")
+    m.vllm.ttft.observe(0.2)
+    m.vllm.finished(prompt=10, generated=5, cached=4, reason="stop", e2e_s=1.5)
+    m.vllm.finished(prompt=6, generated=2, cached=0, reason="length", e2e_s=0.5)
+    text = m.render(m.vllm.gauges(running=3, waiting=1, used=30, free=90))
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    mn = (("model_name", "my-model"),)
+    assert samples[("vllm:time_to_first_token_seconds_count", mn)] == 1
+    assert samples[("vllm:e2e_request_latency_seconds_count", mn)] == 2
+    assert samples[("vllm:prompt_tokens_total", mn)] == 16
+    assert samples[("vllm:generation_tokens_total", mn)] == 7
+    assert samples[("vllm:prefix_cache_queries_total", mn)] == 16
+    assert samples[("vllm:prefix_cache_hits_total", mn)] == 4
+    assert samples[("vllm:request_success_total",
+                    (("finished_reason", "stop"), ("model_name", "my-model")))] == 1
+    assert samples[("vllm:num_requests_running", mn)] == 3
+    assert samples[("vllm:num_requests_waiting", mn)] == 1
+    assert samples[("vllm:kv_cache_usage_perc", mn)] == 0.25
+    types = {f.name: f.type for f in text_string_to_metric_families(text)}
+    assert types["vllm:generation_tokens"] == "counter"       # counters stay counters
+    assert types["vllm:kv_cache_usage_perc"] == "gauge"

@@ -21,7 +21,7 @@ from aiohttp import web
 from shared.contracts.messages import TokenChunk
 from shared.toolcalls import Call, Text, parse_for, stream_for
 
-from .. import intake
+from .. import access, intake
 from ..aborting import AbortOnExit
 from ..respond import SSE_HEADERS, Answer, next_chunk
 from ..slowclients import sse_response
@@ -106,6 +106,7 @@ async def run(gw: Gateway, request: web.Request, parse: Callable[[bytes, Any], J
     async def answer(job: Job, rid: str, arrival: float) -> web.StreamResponse:
         d = await intake.submit(gw, request, job.prep, rid)
         ans = Answer(job.prep, d, arrival, gw.metrics, gw.token_text, rid)
+        access.note(request, [ans])
         async with AbortOnExit(gw.client, gw.metrics, [ans]):
             return await respond(Turn(gw, request, ans, job, rid))
     return await intake.generate(gw, request, parse, f"{id_prefix}_", answer)
