@@ -13,6 +13,13 @@ every hook below returns at its first line (`ON` is False).
     spans = Spans("decode"); spans.start(rid, "generate"); spans.end_all(rid)
                                              # spans that outlive one handler
 
+On by OpenTelemetry's own variables too: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or
+OTEL_EXPORTER_OTLP_ENDPOINT (with OTEL_EXPORTER_OTLP_HEADERS etc., read by the exporter),
+unless OTEL_SDK_DISABLED=true or OTEL_TRACES_EXPORTER=none; a service's own
+--otlp-endpoint (or PDMESH_OTLP_ENDPOINT) wins over them. OTEL_SERVICE_NAME names every
+process's service (default pdmesh-<service>; the attribute pdmesh.service always says
+which), and OTEL_RESOURCE_ATTRIBUTES adds resource attributes.
+
 Each service has a TracerProvider of its own (resource service.name = pdmesh-<service>),
 so services run in one process (tests) still export as four services. `enable(processor)`
 installs any span processor instead of the OTLP exporter (tests: the SDK's in-memory
@@ -25,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -45,17 +53,36 @@ def traces_url(endpoint: str) -> str:
     return e if e.endswith("/v1/traces") else e + "/v1/traces"
 
 
+def env_endpoint(env=os.environ) -> str:
+    """The traces URL OpenTelemetry's variables name ("" when they turn tracing off)."""
+    if env.get("OTEL_SDK_DISABLED", "").lower() == "true":
+        return ""
+    if env.get("OTEL_TRACES_EXPORTER", "otlp").lower() in ("none", ""):
+        return ""
+    if url := env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", ""):
+        return url                      # the signal's own endpoint: used as it is
+    base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+    return traces_url(base) if base else ""
+
+
 def configure(endpoint: str, service: str) -> None:
-    """Export this process's spans over OTLP/HTTP (protobuf) to `endpoint`, batched in
-    the background; nothing at all when endpoint is empty."""
-    if not endpoint:
+    """Export this process's spans over OTLP/HTTP (protobuf) to `endpoint` (or where
+    OpenTelemetry's variables say), batched in the background; nothing at all when
+    neither names one."""
+    url = traces_url(endpoint) if endpoint else env_endpoint()
+    if not url:
         return
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    enable(BatchSpanProcessor(OTLPSpanExporter(endpoint=traces_url(endpoint))))
+    if os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf") != "http/protobuf":
+        log.warning("tracing: OTEL_EXPORTER_OTLP_PROTOCOL=%s: only http/protobuf is built "
+                    "in; exporting with it", os.environ["OTEL_EXPORTER_OTLP_PROTOCOL"])
+    # endpoint given: that one; else the exporter reads OTEL_EXPORTER_OTLP_* (headers too)
+    exporter = OTLPSpanExporter(endpoint=url) if endpoint else OTLPSpanExporter()
+    enable(BatchSpanProcessor(exporter))
     _service.set(service)
-    log.info("tracing: %s exports spans to %s", service, traces_url(endpoint))
+    log.info("tracing: %s exports spans to %s", service, url)
 
 
 def enable(processor) -> None:
@@ -88,7 +115,9 @@ def tracer(service: str):
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
 
-        p = TracerProvider(resource=Resource.create({"service.name": f"pdmesh-{service}"}),
+        name = os.environ.get("OTEL_SERVICE_NAME") or f"pdmesh-{service}"
+        p = TracerProvider(resource=Resource.create({"service.name": name,
+                                                     "pdmesh.service": service}),
                            shutdown_on_exit=False)
         p.add_span_processor(_processor)
         _providers[service] = p

@@ -1,7 +1,8 @@
 """Tracing across processes: every service of a real mesh (separate processes, real
-nats-server) exports its spans over OTLP/HTTP to the collector this test runs, and one PD
-request arrives as one connected trace from all four services (the context crossed
-NATS in each message's traceparent header)."""
+nats-server) exports its spans over OTLP/HTTP to the collector this test runs, turned on
+by OpenTelemetry's own OTEL_EXPORTER_OTLP_ENDPOINT alone, and one PD request arrives as
+one connected trace from all four services (the context crossed NATS in each message's
+traceparent header), its root carrying the GenAI semantic conventions."""
 from __future__ import annotations
 
 import asyncio
@@ -74,13 +75,10 @@ async def request(url: str, prompt: list[int]) -> None:
 
 
 def test_every_service_exports_the_same_connected_trace(tiny_target, tiny_tokenizer, collector):
-    otlp = {"otlp_endpoint": collector.url}
-    overrides = det_overrides()
-    for svc in ("gateway", "decode", "prefill", "kvstore"):
-        overrides[svc] = overrides.get(svc, {}) | otlp
     prompt = tiny_tokenizer.encode("def traced_across_processes(a, b):\n    return a + b\n" * 4)
-    with Cluster(str(tiny_target), prefill=1, decode=1, **DET, overrides=overrides,
-                 extra_env={"OTEL_BSP_SCHEDULE_DELAY": "100"}, echo=False) as mesh:
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": collector.url, "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    with Cluster(str(tiny_target), prefill=1, decode=1, **DET, overrides=det_overrides(),
+                 extra_env=env, echo=False) as mesh:
         asyncio.run(request(mesh.url, prompt))
         deadline, spans = time.monotonic() + 30, []
         while time.monotonic() < deadline:
@@ -95,6 +93,16 @@ def test_every_service_exports_the_same_connected_trace(tiny_target, tiny_tokeni
     ids = {s.span_id for _, s in spans}
     assert [s.name for _, s in spans if not s.parent_span_id] == ["gateway POST /v1/completions"]
     assert all(s.parent_span_id in ids for _, s in spans if s.parent_span_id)
+    (root,) = [s for _, s in spans if not s.parent_span_id]
+    attrs = {a.key: a.value for a in root.attributes}
+    assert attrs["gen_ai.operation.name"].string_value == "text_completion"
+    assert attrs["gen_ai.request.model"].string_value == "tiny-target"
+    assert attrs["gen_ai.request.max_tokens"].int_value == 4
+    assert attrs["gen_ai.usage.input_tokens"].int_value == len(prompt)
+    assert attrs["gen_ai.usage.output_tokens"].int_value == 4
+    assert attrs["gen_ai.response.id"].string_value.startswith("cmpl-")
+    assert [v.string_value for v in attrs["gen_ai.response.finish_reasons"].array_value.values
+            ] == ["length"]
     names = {s.name for _, s in spans}
     for name in ("decode submit", "prefill queue", "prefill claim", "decode claim",
                  "prefill compute", "prefill kv_transfer", "decode kv", "decode generate",
