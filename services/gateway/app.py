@@ -37,7 +37,7 @@ from .model import ModelSpec
 from .protocol import OpenAIError
 from .registry import Registry
 from .respond import answer
-from .scrape import KVSTORE_GAUGES, kvstore_stats, prefill_group_gauges
+from .scrape import MeshStats
 from .slowclients import WRITE_TIMEOUT, Slots, key_cap, read_body
 from .validate import Prepared, parse_chat, parse_completion
 
@@ -68,6 +68,7 @@ class Gateway:
         self.grammar = GrammarGuard(spec.folder or cfg.model, spec.vocab_size,
                                     cfg.grammar_timeout_s)
         self.body_limit = cfg.max_body_bytes     # and at most NATS max_payload, once connected
+        self.mesh_stats = MeshStats(lambda: self.runtime.nc, cfg.metrics_refresh_s)
 
     async def start(self) -> None:
         await self.runtime.start()
@@ -81,6 +82,7 @@ class Gateway:
         await self.client.start()
         self.body_limit = limits.body_limit(self.cfg.max_body_bytes, self.runtime.nc.max_payload)
         self.runtime.spawn(self.grammar.warm())
+        self.runtime.spawn(self.mesh_stats.run())   # /metrics' view of kvstore and prefill
         # heartbeats go on while it drains: decode would take a silent gateway for gone and
         # abort its requests (orphans) before they finished
         self.runtime.spawn(self.runtime.run(heartbeat=self._heartbeat, drain=self._drained.wait))
@@ -292,13 +294,10 @@ async def ready(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     t = gw.registry.totals(time.monotonic())
-    kv, group = await asyncio.gather(kvstore_stats(gw.runtime.nc),
-                                     prefill_group_gauges(gw.runtime.nc))
-    text = gw.metrics.render(group | gw.metrics.vllm.gauges(
+    text = gw.metrics.render(gw.mesh_stats.series | gw.metrics.vllm.gauges(
         t["running"], t["waiting"], t["blocks_used"], t["blocks_free"]) | {
         "pdmesh_routed_prefix_warm_total": ("Requests routed to the decode instance that "
                                             "last served their prefix.", gw.client.routed_warm),
-        **{f"pdmesh_kvstore_{k}": (KVSTORE_GAUGES[k], kv[k]) for k in KVSTORE_GAUGES if k in kv},
         "pdmesh_requests_in_flight": ("Requests this gateway is serving.", gw.in_flight),
         "pdmesh_decode_instances_alive": ("Decode instances heartbeating.", t["instances"]),
         "pdmesh_prefill_queue_depth": ("Prefill jobs queued, summed over decode heartbeats.",

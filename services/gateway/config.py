@@ -51,6 +51,9 @@ class GatewayConfig:
         "wait this long for a decode instance to accept a request, then try the next"))
     drain_grace_s: float = field(default=10.0, metadata=_help(
         "on SIGTERM, let in-flight requests finish for this long"))
+    metrics_refresh_s: float = field(default=2.0, metadata=_help(
+        "how often the gateway asks kvstore and the prefill ranks for their STATS, which "
+        "/metrics shows (a scrape itself asks nobody)"))
     access_log: bool = field(default=True, metadata=_help(
         "one log line per HTTP request (logger pdmesh.access: status, latency, tokens, TTFT, "
         "pd or colocated, a tenant digest); --no-access-log turns it off"))

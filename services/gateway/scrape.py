@@ -1,9 +1,18 @@
-"""What /metrics reads from the rest of the mesh at each scrape: kvstore's tier gauges and
-the LayerSplit prefill ranks' gauges, from their nats.micro $SRV.STATS (granted to the
-gateway: shared/subjects.SRV_REQUESTS)."""
+"""What /metrics shows of the rest of the mesh: kvstore's tiers and the LayerSplit
+prefill ranks, from their nats.micro $SRV.STATS (granted to the gateway:
+shared/subjects.SRV_REQUESTS), asked in the background every --metrics-refresh-s seconds
+(`MeshStats.run`), so a scrape asks nobody and answers at once. kvstore's hits,
+evictions and checksum failures only grow: they are counters (`..._total`), so rate()
+over them is right.
+"""
 from __future__ import annotations
 
+import asyncio
+import logging
+
 from shared import micro
+
+log = logging.getLogger("pdmesh.gateway")
 
 KVSTORE_GAUGES = {
     "l2_entries": "KV blocks in kvstore host memory (L2).",
@@ -18,6 +27,14 @@ KVSTORE_GAUGES = {
     "blocks_rejected": "Write-back blocks whose checksum failed on arrival (not indexed).",
     "prefix_hit_rate": "Leading prefix keys found / looked up.",
 }
+KVSTORE_COUNTERS = {"l2_hits", "l2_evictions", "l3_hits", "l3_evictions", "checksum_failures",
+                    "blocks_rejected"}
+
+
+def kvstore_series(kv: dict) -> dict:
+    """kvstore's STATS -> /metrics series (name -> (help, value))."""
+    return {f"pdmesh_kvstore_{k}" + ("_total" if k in KVSTORE_COUNTERS else ""):
+            (h, kv[k]) for k, h in KVSTORE_GAUGES.items() if k in kv}
 
 
 GROUP_GAUGES = {   # LayerSplit, per prefill rank (labelled by instance)
@@ -51,3 +68,26 @@ async def kvstore_stats(nc) -> dict:
     except Exception:  # noqa: BLE001 - no kvstore: no kvstore gauges
         return {}
     return found[0] if found else {}
+
+
+class MeshStats:
+    """The latest kvstore and prefill-group series, refreshed every `every_s` seconds."""
+
+    def __init__(self, nc_of, every_s: float):
+        self.nc_of, self.every_s = nc_of, every_s
+        self.series: dict = {}
+        self.refreshed = 0          # completed refreshes (tests wait on it)
+
+    async def refresh(self) -> None:
+        nc = self.nc_of()
+        kv, group = await asyncio.gather(kvstore_stats(nc), prefill_group_gauges(nc))
+        self.series = group | kvstore_series(kv)
+        self.refreshed += 1
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception as e:  # noqa: BLE001 - keep the last answer, ask again
+                log.debug("mesh stats refresh failed: %r", e)
+            await asyncio.sleep(max(0.1, self.every_s))

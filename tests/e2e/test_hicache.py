@@ -12,6 +12,7 @@ import asyncio
 import inspect
 import os
 import random
+import re
 import shlex
 import textwrap
 import time
@@ -222,8 +223,14 @@ def test_cache_aware_routing_and_metrics(tiny_target, prompts, tiny_tokenizer):
                             assert r.status == 200, data
                             seen[ctx].append(r.headers["x-pdmesh-decode"])
                             cached[ctx].append(data["usage"]["prompt_tokens_details"]["cached_tokens"])
-                async with http.get(mesh.url + "/metrics") as r:
-                    return seen, cached, await r.text()
+                deadline = time.monotonic() + 15     # kvstore's STATS: asked every 2 s
+                while True:
+                    async with http.get(mesh.url + "/metrics") as r:
+                        text = await r.text()
+                    if re.search(r"^pdmesh_kvstore_l2_entries [1-9]", text, re.M) \
+                            or time.monotonic() > deadline:
+                        return seen, cached, text
+                    await asyncio.sleep(0.5)
         seen, cached, metrics = asyncio.run(go())
     for ctx in (0, 1):
         assert len(set(seen[ctx])) == 1, seen

@@ -82,8 +82,16 @@ def test_group_equals_engine_alone_and_colocated(group_mesh, prompts, reference)
             warm = [await _complete(http, group_mesh.url, p) for p in prompts]
             colocated = [await _complete(http, group_mesh.url, p, "colocated")
                          for p in prompts[:3]]
-            async with http.get(group_mesh.url + "/metrics") as r:
-                metrics = await r.text()
+            deadline = time.monotonic() + 15      # the ranks' STATS: asked every 2 s
+            while True:
+                async with http.get(group_mesh.url + "/metrics") as r:
+                    metrics = await r.text()
+                ranks = [line for line in metrics.splitlines()
+                         if line.startswith("pdmesh_prefill_group_cached_blocks{")
+                         and float(line.rsplit(" ", 1)[1]) > 0]
+                if len(ranks) == 2 or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.5)
         return cold, warm, colocated, await group_stats(group_mesh), metrics
 
     cold, warm, colocated, stats, metrics = asyncio.run(run())

@@ -137,3 +137,26 @@ async def test_a_client_gone_while_headers_are_written_is_not_a_server_error(
         resp = await c.get("/test-only/headers-fail")
         assert (await error_of(resp, 499))["code"] == "client_gone"
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_a_scrape_asks_nobody_on_nats(client, monkeypatch):
+    """/metrics answers from what the gateway already holds: kvstore's and the prefill
+    ranks' STATS are asked in the background (scrape.MeshStats), never on the scrape path,
+    whose answer would otherwise wait up to half a second on every scrape."""
+    from shared import micro
+    g = gw(client)
+    await until(lambda: g.mesh_stats.refreshed >= 1)  # (it then sleeps its 2 s)
+    g.mesh_stats.every_s = 3600                      # after the next refresh, none for an hour
+    await until(lambda: g.mesh_stats.refreshed >= 2, timeout=10)
+    asked = []
+
+    async def counting(*a, **kw):
+        asked.append(a)
+        return []
+    monkeypatch.setattr(micro, "stats", counting)
+    monkeypatch.setattr(micro, "service_stats", counting)
+    for _ in range(3):
+        assert (await client.get("/metrics")).status == 200
+    assert asked == []
+    await g.mesh_stats.refresh()                     # the background refresh does ask
+    assert len(asked) == 2
