@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -61,7 +62,8 @@ def start(tree: Path) -> tuple[subprocess.Popen, str]:
                              "0", "--no-speculation"], cwd=tree, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout:
-        if line.startswith("pdmesh is up:"):
+        if line.startswith("pdmesh is up:"):     # from here its output is read and dropped
+            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
             return proc, line.split()[3]
     raise RuntimeError(f"pdmesh up in {tree} exited {proc.wait()}")
 
