@@ -219,9 +219,9 @@ REPLIES_TO: dict[str, tuple[str, ...]] = {
 }
 
 # the nats.micro requests a service makes of another ($SRV.<verb>.<service>): the gateway's
-# /metrics reads kvstore's gauges and the prefill ranks' LayerSplit gauges
+# /metrics federates every service's STATS (services/gateway/scrape.py)
 SRV_REQUESTS: dict[str, tuple[tuple[str, str], ...]] = {
-    "gateway": (("STATS", "kvstore"), ("STATS", "prefill")),
+    "gateway": (("STATS", "kvstore"), ("STATS", "prefill"), ("STATS", "decode")),
 }
 
 

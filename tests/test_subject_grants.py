@@ -190,13 +190,13 @@ def test_the_gateway_reads_its_metrics_sources_under_auth(tmp_path):
     'permissions violation for publish to "$srv.stats.prefill"' on every scrape)."""
     import asyncio
 
-    from services.gateway.scrape import kvstore_stats, prefill_group_gauges
+    from services.gateway.scrape import MeshStats
 
     srv = AuthServer(tmp_path)
 
     async def scrape() -> None:
         nc = await srv.connect("gateway")
-        await asyncio.gather(kvstore_stats(nc), prefill_group_gauges(nc))
+        await MeshStats(lambda: nc, 1.0).refresh()    # decode's, prefill's, kvstore's STATS
         await nc.flush()
         await asyncio.sleep(0.2)      # a violation comes back as an async -ERR
         await nc.close()

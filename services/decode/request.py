@@ -84,6 +84,8 @@ class DecodeRequest:
     quarantine: Quarantine | None = None  # an old reservation being reclaimed
     chunks: int = 0                       # TokenChunks sent (their seq)
     cached_tokens: int = 0                # prefill's prefix-cache hit (PD)
+    began: float = 0.0                    # monotonic: its prompt began (a granted claim)
+    first_token: float = 0.0              # monotonic: its first chunk
 
     @property
     def live(self) -> bool:

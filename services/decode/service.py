@@ -290,6 +290,9 @@ class DecodeService:
     async def on_claim(self, c: PrefillClaim) -> bytes:
         granted, why = self.table.claim(c.request_id, c.attempt, c.prefill_instance,
                                         c.block_ids, c.epochs)
+        r = self.table.get(c.request_id)
+        if granted and r is not None and not r.began:
+            r.began = time.monotonic()          # its prompt's queue time ends (phases())
         return encode(ClaimReply(request_id=c.request_id, granted=granted, reason=why))
 
     async def on_prefill_done(self, done: PrefillDone) -> bytes:

@@ -55,9 +55,12 @@ class TokenStream:
                            completion_tokens=o.num_output_tokens, path=r.path, seq=r.chunks,
                            cached_tokens=cached_tokens(o, r),
                            spec_steps=o.spec_steps, spec_proposed=o.spec_proposed,
-                           spec_accepted=o.spec_accepted)
+                           spec_accepted=o.spec_accepted,
+                           **(phases(o, r, time.monotonic()) if o.finished else {}))
         if r.chunks == 0 and r.path is Path.COLOCATED:
             self.prompt_done(o.request_id)
+        if r.chunks == 0:
+            r.first_token = time.monotonic()
         r.chunks += 1
         if o.finished:
             self.table.finish(o.request_id)
@@ -111,6 +114,16 @@ class TokenStream:
             await self.peers.send_chunk(subject, chunk)
         except Exception as e:  # noqa: BLE001 - gateway notices via its own timeouts
             log.warning("%s: cannot publish tokens: %s", chunk.request_id, e)
+
+
+def phases(o: RequestOutput, r: DecodeRequest, now: float) -> dict[str, float]:
+    """vLLM's request phases, seconds (the final chunk's queue_s, prefill_s, decode_s):
+    accepted here -> its prompt began (PD: the first granted claim; colocated: its first
+    engine step) -> its first chunk -> now."""
+    first = r.first_token or now
+    began = min(r.began or o.scheduled_at or first, first)
+    return {"queue_s": max(0.0, began - r.submitted), "prefill_s": max(0.0, first - began),
+            "decode_s": max(0.0, now - first)}
 
 
 def cached_tokens(o: RequestOutput, r: DecodeRequest) -> int:

@@ -68,7 +68,9 @@ class Gateway:
         self.grammar = GrammarGuard(spec.folder or cfg.model, spec.vocab_size,
                                     cfg.grammar_timeout_s)
         self.body_limit = cfg.max_body_bytes     # and at most NATS max_payload, once connected
-        self.mesh_stats = MeshStats(lambda: self.runtime.nc, cfg.metrics_refresh_s)
+        self.mesh_stats = MeshStats(
+            lambda: self.runtime.nc, cfg.metrics_refresh_s, self.metrics.vllm.model_name,
+            decode_count=lambda: len(self.registry.alive(time.monotonic())) or None)
 
     async def start(self) -> None:
         await self.runtime.start()
@@ -82,7 +84,7 @@ class Gateway:
         await self.client.start()
         self.body_limit = limits.body_limit(self.cfg.max_body_bytes, self.runtime.nc.max_payload)
         self.runtime.spawn(self.grammar.warm())
-        self.runtime.spawn(self.mesh_stats.run())   # /metrics' view of kvstore and prefill
+        self.runtime.spawn(self.mesh_stats.run())   # /metrics' view of the other services
         # heartbeats go on while it drains: decode would take a silent gateway for gone and
         # abort its requests (orphans) before they finished
         self.runtime.spawn(self.runtime.run(heartbeat=self._heartbeat, drain=self._drained.wait))

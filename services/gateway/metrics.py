@@ -7,12 +7,14 @@ one), plus gauges read when /metrics is scraped.
     m.ttft.observe(0.12)
     m.render(gauges={"pdmesh_requests_in_flight": (help, 3)}) -> str   (format 0.0.4)
 
-A gauge whose name ends in `_total` is exposed as a counter (it only grows).
+A gauge whose name ends in `_total` is exposed as a counter (it only grows); a gauge's
+value may be {((label, value), ...): number} for labelled samples.
 
 Beside the `pdmesh_*` names, the series a vLLM dashboard (and the Gateway API Inference
 Extension's model-server protocol) reads, under vLLM's names with a `model_name` label:
 `vllm:time_to_first_token_seconds`, `vllm:inter_token_latency_seconds`,
-`vllm:e2e_request_latency_seconds` (histograms), `vllm:prompt_tokens_total`,
+`vllm:e2e_request_latency_seconds`, `vllm:request_{queue,prefill,decode,inference}_time_seconds`
+(histograms; the phases on decode's clock), `vllm:prompt_tokens_total`,
 `vllm:generation_tokens_total`, `vllm:request_success_total{finished_reason}`,
 `vllm:prefix_cache_queries_total` / `_hits_total` (prompt tokens looked up / served from a
 prefix cache), and at each scrape `vllm:num_requests_running` / `_waiting` and
@@ -70,6 +72,14 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
+PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1) + E2E_BUCKETS
+PHASES = {"queue": "Time in the decode instance's queue: accepted until its prompt began "
+                   "(a prefill worker claimed it, or its first step there).",
+          "prefill": "Time in prefill: the prompt began until its first token.",
+          "decode": "Time in decode: the first token until the last.",
+          "inference": "Time in prefill and decode (queue time excluded)."}
+
+
 class VllmSeries:
     """vLLM's request-level series for one served model (model_name label)."""
 
@@ -82,6 +92,8 @@ class VllmSeries:
                              ITL_BUCKETS, r, m)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End to end request latency.",
                              E2E_BUCKETS, r, m)
+        self.phases = {k: Histogram(f"vllm:request_{k}_time_seconds", h, PHASE_BUCKETS, r, m)
+                       for k, h in PHASES.items()}
         self._prompt = _PCounter("vllm:prompt_tokens", "Prefill tokens processed.",
                                  ["model_name"], registry=r).labels(**m)
         self._generation = _PCounter("vllm:generation_tokens", "Generation tokens processed.",
@@ -104,6 +116,12 @@ class VllmSeries:
         self._success.labels(model_name=self.model_name, finished_reason=reason).inc()
         self.e2e.observe(e2e_s)
 
+    def phased(self, queue_s: float, prefill_s: float, decode_s: float) -> None:
+        """A finished request's phases (the final chunk's queue_s, prefill_s, decode_s)."""
+        for k, v in (("queue", queue_s), ("prefill", prefill_s), ("decode", decode_s),
+                     ("inference", prefill_s + decode_s)):
+            self.phases[k].observe(v)
+
     def gauges(self, running: int, waiting: int, used: int, free: int) -> dict:
         """The scrape-time series, for Metrics.render (value: {labels: value})."""
         m = (("model_name", self.model_name),)
@@ -125,7 +143,8 @@ class _Scrape:
         for name, (help_, value) in self.gauges.items():
             if isinstance(value, dict) and value and isinstance(next(iter(value)), tuple):
                 labels = [k for k, _ in next(iter(value))]     # {((label, v), ...): value}
-                g = GaugeMetricFamily(name, help_, labels=labels)
+                family = CounterMetricFamily if name.endswith("_total") else GaugeMetricFamily
+                g = family(name, help_, labels=labels)
                 for key, v in value.items():
                     g.add_metric([lv for _, lv in key], v)
                 yield g

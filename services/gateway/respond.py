@@ -112,6 +112,7 @@ class Answer:
                                        self.cached_tokens,
                                        getattr(chunk.finish_reason, "value", chunk.finish_reason),
                                        time.monotonic() - self.arrival)
+            self.metrics.vllm.phased(chunk.queue_s, chunk.prefill_s, chunk.decode_s)
             if self.spec[0]:
                 self.metrics.spec_accept_length.observe(P.spec_usage(*self.spec)
                                                         ["spec_accept_length"])

@@ -129,6 +129,11 @@ class TokenChunk(msgspec.Struct, tag=True, frozen=True, kw_only=True, omit_defau
     spec_proposed: int = 0
     spec_accepted: int = 0
     anomaly_rule: str = ""            # with error ANOMALY: the monitor rule that fired
+    # final chunk, seconds on decode's clock (vLLM's request phases): accepted -> its prompt
+    # began (a prefill claim, or its first step here), -> first token, -> this chunk
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
 
 
 class AnomalyEvent(msgspec.Struct, tag=True, frozen=True, kw_only=True):

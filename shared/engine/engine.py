@@ -330,6 +330,9 @@ class LLMEngine:
         if not batch:
             return None
         self._inflight = {s.seq.request_id for s in batch}
+        now = time.monotonic()
+        for s in batch:
+            s.seq.scheduled_at = s.seq.scheduled_at or now
         return StepPlan(batch, time.perf_counter())
 
     def forward(self, plan: StepPlan):
@@ -399,7 +402,8 @@ class LLMEngine:
                             num_prompt_tokens=len(seq.prompt_ids),
                             num_output_tokens=len(seq.output_ids),
                             num_cached_tokens=seq.num_cached, spec_steps=seq.spec_steps,
-                            spec_proposed=seq.spec_proposed, spec_accepted=seq.spec_accepted)
+                            spec_proposed=seq.spec_proposed, spec_accepted=seq.spec_accepted,
+                            scheduled_at=seq.scheduled_at)
         if res is not None and res.logprob is not None:
             out.logprobs.append((token, res.logprob, res.top_logprobs))
         if reason is not None:
@@ -429,5 +433,5 @@ class LLMEngine:
     def stats(self) -> dict:
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "blocks_free": self.pool.num_free, "blocks_used": self.pool.num_used,
-                "blocks_total": self.pool.num_blocks,
+                "blocks_total": self.pool.num_blocks, "block_size": self.cfg.block_size,
                 **self.pool.stats(), **self.counters}

@@ -30,6 +30,7 @@ class RequestOutput:
     spec_steps: int = 0
     spec_proposed: int = 0
     spec_accepted: int = 0
+    scheduled_at: float = 0.0               # monotonic time of its first step here (0: none)
 
 
 class OutputProcessor:

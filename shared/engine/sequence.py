@@ -49,6 +49,7 @@ class Sequence:
     spec_steps: int = 0
     spec_proposed: int = 0
     spec_accepted: int = 0
+    scheduled_at: float = 0.0          # time.monotonic() of its first step (queue time ends)
 
     @property
     def num_tokens(self) -> int:

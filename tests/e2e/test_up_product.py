@@ -23,7 +23,7 @@ KEY = "k-" + "x" * 30
 @pytest.fixture(scope="module")
 def up():
     loop = asyncio.new_event_loop()
-    m = UpMesh("--model", str(TINY_TARGET), "--prefill", "0", "--api-key", KEY,
+    m = UpMesh("--model", str(TINY_TARGET), "--api-key", KEY,
                "--max-model-len", "512", "--served-model-name", "tiny", "--restart-limit", "2",
                "--log-format", "json", env={"PDMESH_LOG_STATS_S": "1"})
     try:
@@ -120,8 +120,8 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "pdmesh
 
 def test_the_grafana_dashboard_reads_only_series_the_mesh_exposes(up):
     """Every series a panel of deploy/grafana/pdmesh.json queries is a metric family the
-    live gateway's /metrics declares."""
-    text = run(up, scrape(up[0]))
+    live gateway's /metrics declares (each service's series federated into it)."""
+    text = run(up, scrape_mesh(up[0]))
     families = {f.name for f in text_string_to_metric_families(text)}
     dash = json.loads(DASHBOARD.read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
@@ -130,6 +130,70 @@ def test_the_grafana_dashboard_reads_only_series_the_mesh_exposes(up):
     missing = [n for n in sorted(names) if n not in families
                and re.sub(r"_total$", "", re.sub(r"_(bucket|count|sum)$", "", n)) not in families]
     assert not missing, missing
+
+
+SERVICES = ('service="decode"', 'service="prefill"', 'service="kvstore"')
+
+
+async def scrape_mesh(m: UpMesh, after: str = "") -> str:
+    """/metrics once every service's federated series are in it (and differ from `after`:
+    the gateway has refreshed them since)."""
+    deadline = time.monotonic() + 60
+    while True:
+        text = await scrape(m)
+        if all(s in text for s in SERVICES) and (not after or federated(text) != federated(after)):
+            return text
+        assert time.monotonic() < deadline, text
+        await asyncio.sleep(0.5)
+
+
+def federated(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "service=" in line]
+
+
+def samples(text: str, kinds: tuple[str, ...]) -> dict[tuple, float]:
+    """(sample name, labels) -> value, of the families of these kinds."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) if f.type in kinds
+            for s in f.samples}
+
+
+def test_every_service_is_federated_with_its_pd_series_and_counters_only_go_up(up):
+    """One scrape of the gateway shows decode's, prefill's and kvstore's own series,
+    labelled by service and instance (claims, fenced writes, reclaims, KV bytes by
+    transport, prefix cache per tier, vLLM's cache_config_info and request phases), and
+    between two scrapes with traffic between them no counter or histogram goes down."""
+    m, _ = up
+    before = run(up, scrape_mesh(m))
+    for i in range(3):
+        chat = {"model": "tiny", "max_tokens": 6,
+                "messages": [{"role": "user", "content": f"item {i}: " + "data " * 30}]}
+        status, body = run(up, _get(m.url + "/v1/chat/completions", KEY, chat))
+        assert status == 200, body
+    after = run(up, scrape_mesh(m, after=before))
+    for series in ('pdmesh_decode_claims_granted_total{instance="decode_0",service="decode"}',
+                   'pdmesh_decode_kv_writes_fenced_total{instance="decode_0"',
+                   'pdmesh_decode_reclaims_total{instance="decode_0",outcome="acked"',
+                   'pdmesh_prefill_kv_sent_bytes_total{instance="prefill_0",service="prefill",'
+                   'transport="shm"}',
+                   'pdmesh_prefill_kv_transfer_seconds_total{instance="prefill_0"',
+                   'pdmesh_prefix_cache_hits_blocks_total{instance="kvstore_0",service="kvstore",'
+                   'tier="l2"}',
+                   'pdmesh_prefix_cache_hits_blocks_total{instance="decode_0",service="decode",'
+                   'tier="l1"}',
+                   'pdmesh_decode_anomalies_total{instance="decode_0",rule="repetition"',
+                   'vllm:cache_config_info{block_size="16",instance="decode_0",model_name="tiny"',
+                   'vllm:request_queue_time_seconds_count{model_name="tiny"}',
+                   'vllm:request_prefill_time_seconds_count{model_name="tiny"}',
+                   'vllm:request_decode_time_seconds_count{model_name="tiny"}'):
+        assert series in after, series
+    old, new = samples(before, ("counter", "histogram")), samples(after, ("counter", "histogram"))
+    assert len(old) > 100
+    went_down = {k: (v, new.get(k)) for k, v in old.items() if new.get(k, -1) < v}
+    assert not went_down, went_down
+    grew = [k for k, v in old.items() if new[k] > v]
+    assert any(k[0] == "pdmesh_prefill_jobs_done_total" for k in grew), grew
+    assert any(k[0] == "pdmesh_decode_kv_received_bytes_total" for k in grew), grew
 
 
 async def scrape(m: UpMesh) -> str:

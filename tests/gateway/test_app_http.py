@@ -159,4 +159,4 @@ async def test_a_scrape_asks_nobody_on_nats(client, monkeypatch):
         assert (await client.get("/metrics")).status == 200
     assert asked == []
     await g.mesh_stats.refresh()                     # the background refresh does ask
-    assert len(asked) == 2
+    assert len(asked) == 3                           # kvstore, decode, prefill
