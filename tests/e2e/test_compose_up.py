@@ -166,3 +166,18 @@ def test_a_stream(client):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text.strip()
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_the_image_carries_no_test_lint_or_gpu_package(mesh):
+    """The runtime image holds what the services import and nothing of development
+    (pytest, ruff, hypothesis, the API clients the tests use, jsonschema, matplotlib) or of
+    the GPU (triton: xgrammar needs it only for CUDA logits; the required tool call above
+    ran its grammar without it)."""
+    image = os.environ.get("PDMESH_IMAGE", "pdmesh:local")
+    probe = ("import importlib.util as u; print(sorted(m for m in ('pytest', 'ruff', "
+             "'hypothesis', 'openai', 'anthropic', 'jsonschema', 'matplotlib', 'triton') "
+             "if u.find_spec(m)) or 'none'); import xgrammar, shared.engine.grammar")
+    r = subprocess.run(["docker", "run", "--rm", image, "python", "-c", probe],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "none", r.stdout
