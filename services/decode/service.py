@@ -177,7 +177,7 @@ class DecodeService:
         """A prompt computed here goes to kvstore too: its prefix then hits on either path
         (prefill loads it from there)."""
         if self.writeback is not None:
-            self.writeback(self.engine, *self.engine.computed_prompt_blocks(rid))
+            self.writeback(self.engine, *self.engine.port.computed_prompt_blocks(rid))
 
     def ready(self) -> bool:
         """Every path usable: accepting, and a live prefill worker if PD is expected."""

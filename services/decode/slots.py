@@ -76,17 +76,17 @@ class KvSlots:
         """Prefill here, in fresh blocks. keep_blocks: the reserved ones stay out of the
         pool (quarantined by the caller), else they are freed."""
         eng = self.engine
-        blocks = eng.detach_blocks(rid)
+        blocks = eng.port.detach_blocks(rid)
         if not keep_blocks:
-            eng.free_blocks(blocks)
-        eng.requeue(rid)
+            eng.port.free_blocks(blocks)
+        eng.port.requeue(rid)
 
     def drop(self, rid: str, keep_blocks: bool) -> None:
         """Abort a request that awaits KV. keep_blocks: as for fallback."""
         if keep_blocks:
-            self.engine.detach_blocks(rid)
+            self.engine.port.detach_blocks(rid)
         self.engine.abort(rid)
 
     def release(self, blocks: list[int]) -> None:
         """A quarantine ended: its blocks go back to the pool."""
-        self.engine.free_blocks(blocks)
+        self.engine.port.free_blocks(blocks)

@@ -196,7 +196,7 @@ class KvSender:
     @staticmethod
     def source_blocks(job: PrefillJob, engine, local_id: str) -> list[int]:
         skip = job.dest.skip_blocks
-        src = engine.kept_blocks(local_id)[skip:skip + len(job.dest.block_ids)]
+        src = engine.port.kept_blocks(local_id)[skip:skip + len(job.dest.block_ids)]
         if len(src) != len(job.dest.block_ids):
             raise RuntimeError(f"prefill holds {len(src)} blocks, "
                                f"job wants {len(job.dest.block_ids)}")

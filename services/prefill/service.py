@@ -257,9 +257,10 @@ class PrefillService:
             self.counters[k] += v
         self.counters["kv_max_write_bytes"] = self.sender.max_write_bytes
         keys = self.engine.prefix_keys(job.prompt_ids, job.cache_salt)[tier:]
-        self.write_back(self.engine, self.engine.kept_blocks(local_id)[tier:tier + len(keys)], keys)
+        kept = self.engine.port.kept_blocks(local_id)
+        self.write_back(self.engine, kept[tier:tier + len(keys)], keys)
         if self.group is not None:   # the group lacks some of them: LayerSplit
-            self.group.insert(self.engine, *self.engine.computed_prompt_blocks(local_id))
+            self.group.insert(self.engine, *self.engine.port.computed_prompt_blocks(local_id))
         return done(writes, nbytes, transfer_s)
 
     async def compute(self, local_id: str, job: PrefillJob) -> tuple[RequestOutput, int]:

@@ -132,7 +132,7 @@ class LayerStream:
             await self.wake.wait()
 
     async def _write(self, p: wire.Piece) -> None:
-        src = self.engine.kept_blocks(self.local_id)[self.skip:self.end]
+        src = self.engine.port.kept_blocks(self.local_id)[self.skip:self.end]
         n = await self.sender.write(self.job, self.engine, self.attempt, src, p, self.errors)
         self.bytes += n
         if n and not self.finished:

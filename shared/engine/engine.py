@@ -8,11 +8,9 @@ Life cycle of a request:
 
 Phases of a step: schedule -> flat batch (batch.py) -> model -> sample -> postprocess.
 
-Held sequences: hold() allocates a prompt's blocks without scheduling it, for a caller
-that fills their KV from outside (decode's PD slots, services/decode/slots.py); resume()
-joins it to the batch with its first token, or requeue() has it compute its own prompt.
-detach_blocks() hands a held sequence's blocks to the caller, who frees them later
-(free_blocks) — the engine knows nothing about who may still write them.
+Held sequences (a prompt's blocks allocated without scheduling it, its KV filled from
+outside) and every other PD hook live in `port` (kv_port.py, KvPort): hold, resume,
+requeue, detach/free blocks, kept and computed prompt blocks, the epoch fence and writes.
 
 Prefix cache (L1) and lower-tier loads: prefix_cache.py. Speculative decoding: decode steps
 carry k draft tokens that one target forward verifies (spec/runner.py).
@@ -57,9 +55,9 @@ from .model_path import resolve
 from .output import OutputProcessor, RequestOutput
 from .prefix import prefix_salt
 from .prefix_cache import PrefixCache
-from .sampling import SampleInput, SampleOutput, fit_banned, sample
-from .scheduler import Scheduler, cancel_load
-from .sequence import SeqStatus, Sequence
+from .sampling import SampleInput, fit_banned, sample
+from .scheduler import Scheduler
+from .sequence import Sequence
 from .smooth import applies as smoothing_applies, calibration_ids
 
 
@@ -222,81 +220,7 @@ class LLMEngine:
         else:
             command()
 
-    # ---- held sequences (KV filled from outside) ----------------------------------
-    def hold(self, request_id: str, prompt_ids: list[int], params, constraint=None,
-             tier_blocks: int = 0, reserve_tokens: int = 0, replay: int = 0, cache_salt: str = ""
-             ) -> tuple[Sequence, LayerLoad | None]:
-        """A sequence with blocks for max(reserve_tokens, prompt) tokens, not scheduled:
-        its leading seq.num_cached prompt tokens come from the prefix cache (L1, or the
-        returned load from a lower tier), the caller fills the rest. Raises NoFreeBlocks
-        when short (nothing is kept)."""
-        seq = self._new_seq(request_id, prompt_ids, params, constraint, replay)
-        seq.cache_salt = cache_salt
-        load = self.prefix.attach(seq, tier_blocks)
-        need = self.pool.blocks_for(max(reserve_tokens, len(prompt_ids))) - len(seq.block_table)
-        try:
-            seq.block_table += self.pool.allocate(need)
-        except Exception:
-            del self.requests[request_id]
-            cancel_load(seq)
-            self.pool.free(seq.block_table)
-            raise
-        seq.status = SeqStatus.HELD
-        return seq, load
-
-    def resume(self, request_id: str, first_token: int, logprob=None,
-               top_logprobs=None) -> RequestOutput:
-        """A held sequence's prompt KV is all in: join the batch with its first token.
-        Raises ReplayError (request dropped) if the token breaks the request's grammar."""
-        req = self.requests[request_id]
-        seq = req.seq
-        if seq.status is not SeqStatus.HELD:
-            raise ValueError(f"request {request_id!r} is not held")
-        if req.constraint is not None and not req.constraint.accept(first_token):
-            from .grammar import ReplayError
-            self._finish_abort(request_id)
-            raise ReplayError(0, first_token)
-        seq.num_computed = len(seq.prompt_ids)
-        self.prefix.register(seq)
-        self.scheduler.add_running(seq)
-        return self.append_token(seq, first_token,
-                                 SampleOutput(first_token, logprob, top_logprobs))
-
-    def detach_blocks(self, request_id: str) -> list[int]:
-        """A held sequence gives its blocks to the caller, who frees them (free_blocks)
-        once nobody can write them any more; the sequence keeps none."""
-        seq = self.requests[request_id].seq
-        if seq.status is not SeqStatus.HELD:
-            raise ValueError(f"request {request_id!r} is not held")
-        cancel_load(seq)
-        blocks, seq.block_table = seq.block_table, []
-        return blocks
-
-    def requeue(self, request_id: str) -> None:
-        """A held sequence (blocks detached) computes its own prompt, in fresh blocks."""
-        seq = self.requests[request_id].seq
-        if seq.status is not SeqStatus.HELD or seq.block_table:
-            raise ValueError(f"request {request_id!r} is not held without blocks")
-        self.prefix.attach(seq)
-        self.scheduler.add(seq)
-
-    def free_blocks(self, blocks: list[int]) -> None:
-        self.pool.free(blocks)
-
-    def computed_prompt_blocks(self, request_id: str) -> tuple[list[int], list[bytes]]:
-        """A live request's whole prompt blocks whose KV is computed, and their prefix
-        keys (for a write-back to a lower tier); empty while the prompt is not done."""
-        req = self.requests.get(request_id)
-        if req is None or req.seq.num_computed < len(req.seq.prompt_ids):
-            return [], []
-        keys = req.seq.keys
-        return list(req.seq.block_table[:len(keys)]), list(keys)
-
-    # ---- prefill-only requests -----------------------------------------------------
-    def kept_blocks(self, request_id: str) -> list[int]:
-        """Blocks of a finished prefill-only request (valid until release())."""
-        return list(self.requests[request_id].seq.block_table)
-
+    # ---- prefill-only requests (their kept blocks: port.kept_blocks) ---------------
     def release(self, request_id: str) -> None:
         """Free the blocks a finished prefill-only request kept; one still in the engine
         leaves it (as abort()), after the running forward if it is in that one."""

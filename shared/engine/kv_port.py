@@ -12,6 +12,13 @@ rule about when a block may be read or written while a step runs is here or in e
 
   num_blocks             the pool's size
   busy()                 (running sequences, waiting sequences)
+  hold(...)              a sequence with its prompt's blocks, not scheduled (KV from outside)
+  resume(rid, token)     a held sequence joins the batch with its first token
+  detach_blocks(rid)     a held sequence gives its blocks to the caller (free_blocks later)
+  requeue(rid)           a held sequence (blocks detached) computes its own prompt
+  free_blocks(blocks)    detached blocks back to the pool
+  kept_blocks(rid)       a finished prefill-only request's blocks (until engine.release)
+  computed_prompt_blocks(rid)  a request's computed whole prompt blocks and prefix keys
   reserve(...)           hold a sequence; its destination blocks, their epochs, all its blocks
   fence_holds(ids, eps)  the epoch fence's question (asked on the header, again at write)
   write(w, payload, f)   apply one KvWrite if the fence lets it land
@@ -25,6 +32,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+
+from .sampling import SampleOutput
+from .scheduler import cancel_load
+from .sequence import SeqStatus, Sequence
 
 if TYPE_CHECKING:
     from shared.contracts.kv import KvWrite
@@ -46,17 +57,97 @@ class KvPort:
         e = self._e
         return len(e.scheduler.running), len(e.scheduler.waiting)
 
+    # ---- held sequences (KV filled from outside) ----------------------------------
+    def hold(self, request_id: str, prompt_ids: list[int], params, constraint=None,
+             tier_blocks: int = 0, reserve_tokens: int = 0, replay: int = 0, cache_salt: str = ""
+             ) -> tuple[Sequence, LayerLoad | None]:
+        """A sequence with blocks for max(reserve_tokens, prompt) tokens, not scheduled:
+        its leading seq.num_cached prompt tokens come from the prefix cache (L1, or the
+        returned load from a lower tier), the caller fills the rest. Raises NoFreeBlocks
+        when short (nothing is kept)."""
+        e = self._e
+        seq = e._new_seq(request_id, prompt_ids, params, constraint, replay)
+        seq.cache_salt = cache_salt
+        load = e.prefix.attach(seq, tier_blocks)
+        need = e.pool.blocks_for(max(reserve_tokens, len(prompt_ids))) - len(seq.block_table)
+        try:
+            seq.block_table += e.pool.allocate(need)
+        except Exception:
+            del e.requests[request_id]
+            cancel_load(seq)
+            e.pool.free(seq.block_table)
+            raise
+        seq.status = SeqStatus.HELD
+        return seq, load
+
+    def resume(self, request_id: str, first_token: int, logprob=None,
+               top_logprobs=None) -> RequestOutput:
+        """A held sequence's prompt KV is all in: join the batch with its first token.
+        Raises ReplayError (request dropped) if the token breaks the request's grammar."""
+        e = self._e
+        req = e.requests[request_id]
+        seq = req.seq
+        if seq.status is not SeqStatus.HELD:
+            raise ValueError(f"request {request_id!r} is not held")
+        if req.constraint is not None and not req.constraint.accept(first_token):
+            from .grammar import ReplayError
+            e._finish_abort(request_id)
+            raise ReplayError(0, first_token)
+        seq.num_computed = len(seq.prompt_ids)
+        e.prefix.register(seq)
+        e.scheduler.add_running(seq)
+        return e.append_token(seq, first_token, SampleOutput(first_token, logprob, top_logprobs))
+
+    def detach_blocks(self, request_id: str) -> list[int]:
+        """A held sequence gives its blocks to the caller, who frees them (free_blocks)
+        once nobody can write them any more; the sequence keeps none."""
+        seq = self._held(request_id)
+        cancel_load(seq)
+        blocks, seq.block_table = seq.block_table, []
+        return blocks
+
+    def requeue(self, request_id: str) -> None:
+        """A held sequence (blocks detached) computes its own prompt, in fresh blocks."""
+        seq = self._held(request_id)
+        if seq.block_table:
+            raise ValueError(f"request {request_id!r} is not held without blocks")
+        self._e.prefix.attach(seq)
+        self._e.scheduler.add(seq)
+
+    def _held(self, request_id: str) -> Sequence:
+        seq = self._e.requests[request_id].seq
+        if seq.status is not SeqStatus.HELD:
+            raise ValueError(f"request {request_id!r} is not held")
+        return seq
+
+    def free_blocks(self, blocks: list[int]) -> None:
+        self._e.pool.free(blocks)
+
+    def kept_blocks(self, request_id: str) -> list[int]:
+        """Blocks of a finished prefill-only request (valid until engine.release())."""
+        return list(self._e.requests[request_id].seq.block_table)
+
+    def computed_prompt_blocks(self, request_id: str) -> tuple[list[int], list[bytes]]:
+        """A live request's whole prompt blocks whose KV is computed, and their prefix
+        keys (for a write-back to a lower tier); empty while the prompt is not done."""
+        req = self._e.requests.get(request_id)
+        if req is None or req.seq.num_computed < len(req.seq.prompt_ids):
+            return [], []
+        keys = req.seq.keys
+        return list(req.seq.block_table[:len(keys)]), list(keys)
+
+    # ---- PD writes ------------------------------------------------------------------
     def reserve(self, rid: str, prompt_ids: list[int], params, constraint=None,
                 tier_blocks: int = 0, reserve_tokens: int = 0, replay: int = 0,
                 cache_salt: str = ""
                 ) -> tuple[list[int], list[int], list[int], int, LayerLoad | None]:
-        """engine.hold(), then (dest, epochs, held, skip, load): the prompt blocks after
+        """hold(), then (dest, epochs, held, skip, load): the prompt blocks after
         the `skip` leading ones the prefix cache (or the returned load) serves, each
         stamped with its current epoch, and every block the sequence holds. Raises
         NoFreeBlocks when short."""
         e = self._e
-        seq, load = e.hold(rid, prompt_ids, params, constraint, tier_blocks,
-                           reserve_tokens, replay, cache_salt)
+        seq, load = self.hold(rid, prompt_ids, params, constraint, tier_blocks,
+                              reserve_tokens, replay, cache_salt)
         skip = seq.num_cached // e.cfg.block_size
         dest = seq.block_table[skip:e.pool.blocks_for(len(prompt_ids))]
         return dest, [e.pool.epoch[b] for b in dest], list(seq.block_table), skip, load
@@ -89,7 +180,7 @@ class KvPort:
         ReplayError (request dropped) if the token breaks its grammar."""
         e = self._e
         e.pool.restamp(e.requests[rid].seq.block_table)
-        return e.resume(rid, first_token, logprob, top_logprobs)
+        return self.resume(rid, first_token, logprob, top_logprobs)
 
     def snapshot(self, blocks: list[int], copy=None) -> torch.Tensor:
         """A host copy of these blocks' KV (the caller holds them): copy(kv, blocks), by

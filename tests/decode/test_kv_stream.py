@@ -182,6 +182,10 @@ class _WritingSender(_Sender):
 
 
 class _HoldingEngine(_Engine):
+    @property
+    def port(self):                    # the engine's KvPort: only kept_blocks is read
+        return self
+
     def kept_blocks(self, rid):
         return list(range(self.kv.shape[2]))
 

@@ -51,12 +51,12 @@ def test_kv_moves_between_pools_on_device(tiny_target, tiny_prompts, device):
     while a.has_unfinished:
         outs += a.step()
     first = outs[-1].new_token_ids[0]
-    src = a.kept_blocks("x")
-    seq, _ = b.hold("y", prompt, p)
+    src = a.port.kept_blocks("x")
+    seq, _ = b.port.hold("y", prompt, p)
     payload, shape = wire.pack(a.kv, src, 0, a.kv.shape[0])
     wire.unpack_into(b.kv, seq.block_table[:len(src)], 0, b.kv.shape[0], payload,
                      wire.dtype_name(b.kv.dtype), shape)
-    out = [b.resume("y", first).new_token_ids[0]]
+    out = [b.port.resume("y", first).new_token_ids[0]]
     while b.has_unfinished:
         out += [t for o in b.step() for t in o.new_token_ids]
     alone = LLMEngine(EngineConfig(**cfg)).generate([prompt], p)[0]["token_ids"]

@@ -67,6 +67,6 @@ def test_released_after_its_prefill_it_frees_the_kept_blocks(tiny_target, tiny_p
     eng.add_request("job/3", tiny_prompts[0], P, prefill_only=True)
     (out,) = eng.step()
     assert out.finished and len(out.new_token_ids) == 1
-    assert eng.kept_blocks("job/3") and eng.pool.num_free < free     # kept for the KV send
+    assert eng.port.kept_blocks("job/3") and eng.pool.num_free < free     # kept for the KV send
     eng.release("job/3")
     assert not eng.has_unfinished and eng.pool.num_free == free

@@ -77,7 +77,7 @@ def _donor_kv(tiny_target, device, p):
     donor.add_request("d", p, GREEDY, prefill_only=True)
     while donor.has_unfinished:
         donor.step()
-    return donor.kv, donor.kept_blocks("d")
+    return donor.kv, donor.port.kept_blocks("d")
 
 
 def _loader(eng, ld, donor_kv, donor_blocks, delay, rng):

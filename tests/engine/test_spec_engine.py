@@ -194,12 +194,12 @@ def test_remote_prefill_then_speculative_decode(tiny_target, tiny_draft, prompts
         while worker.has_unfinished:
             for o in worker.step():
                 first[rid] = o.new_token_ids[0]
-        seq, _ = eng.hold(rid, prompts[i], greedy(i))
+        seq, _ = eng.port.hold(rid, prompts[i], greedy(i))
         skip = seq.num_cached // eng.cfg.block_size    # leading blocks cached here
         dest = seq.block_table[skip:]
-        eng.kv[:, :, dest] = worker.kv[:, :, worker.kept_blocks(rid)[skip:skip + len(dest)]]
+        eng.kv[:, :, dest] = worker.kv[:, :, worker.port.kept_blocks(rid)[skip:skip + len(dest)]]
         worker.release(rid)
-    res = {rid: eng.resume(rid, tok).new_token_ids for rid, tok in first.items()}
+    res = {rid: eng.port.resume(rid, tok).new_token_ids for rid, tok in first.items()}
     while eng.has_unfinished:
         for o in eng.step():
             res[o.request_id] += o.new_token_ids

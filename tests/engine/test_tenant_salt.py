@@ -61,14 +61,14 @@ def test_held_sequences_are_salted_too(tiny_target, device):
     eng = engine(tiny_target, device)
     p = prompt(seed=1)
     run(eng, "a1", p, "A")
-    seq, _ = eng.hold("h-b", p, GREEDY, cache_salt="B")
+    seq, _ = eng.port.hold("h-b", p, GREEDY, cache_salt="B")
     assert seq.num_cached == 0
-    blocks = eng.detach_blocks("h-b")
-    eng.free_blocks(blocks)
-    eng.requeue("h-b")                              # prefill locally: still tenant B
+    blocks = eng.port.detach_blocks("h-b")
+    eng.port.free_blocks(blocks)
+    eng.port.requeue("h-b")                              # prefill locally: still tenant B
     assert eng.requests["h-b"].seq.num_cached == 0
     eng.abort("h-b")
-    seq, _ = eng.hold("h-a", p, GREEDY, cache_salt="A")
+    seq, _ = eng.port.hold("h-a", p, GREEDY, cache_salt="A")
     assert seq.num_cached == 128
 
 

@@ -50,7 +50,7 @@ def prefill(eng, g, prompt: list[int], max_tokens: int = 1) -> tuple[list[int], 
             tokens += o.new_token_ids
             cached = o.num_cached_tokens
     if max_tokens == 1:
-        g.insert(eng, *eng.computed_prompt_blocks(rid))
+        g.insert(eng, *eng.port.computed_prompt_blocks(rid))
         eng.release(rid)
     return tokens, cached
 
