@@ -36,17 +36,22 @@ def note(request: web.Request, answers: list) -> None:
     box.append(answers)
 
 
+def answers(request: web.Request) -> list:
+    """Every answer noted for this request (one per choice), in order."""
+    return [a for group in request.get(ANSWERS) or () for a in group]
+
+
 def fields(request: web.Request, status: int, seconds: float) -> dict:
     out = {"method": request.method, "path": request.path, "status": status,
            "latency_ms": round(seconds * 1000, 1)}
     tenant = request.get(auth.TENANT, "")
     if tenant:
         out["tenant"] = hashlib.sha256(tenant.encode()).hexdigest()[:12]
-    answers = [a for group in request.get(ANSWERS) or () for a in group]
-    if answers:
-        a0 = answers[0]
+    noted = answers(request)
+    if noted:
+        a0 = noted[0]
         out |= {"request_id": a0.rid, "prompt_tokens": a0.prompt_tokens,
-                "completion_tokens": sum(a.reported or a.counted for a in answers),
+                "completion_tokens": sum(a.reported or a.counted for a in noted),
                 "placement": a0.d.path.value}
         if a0.ttft_s is not None:
             out["ttft_ms"] = round(a0.ttft_s * 1000, 1)

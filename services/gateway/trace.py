@@ -13,7 +13,7 @@ from aiohttp import web
 
 from shared import tracing
 
-from .access import ANSWERS
+from .access import answers as noted
 
 OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion",
               "/v1/responses": "chat", "/v1/messages": "chat"}
@@ -21,7 +21,7 @@ OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completio
 
 def gen_ai(request: web.Request, route: str) -> dict:
     """The GenAI attributes of a generation's answer ({} for any other request)."""
-    answers = [a for group in request.get(ANSWERS) or () for a in group]
+    answers = noted(request)
     if not answers or route not in OPERATIONS:
         return {}
     a0, p = answers[0], answers[0].prep.params
