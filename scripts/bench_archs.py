@@ -148,10 +148,10 @@ def main() -> int:
             row = {"c1": decode_rate(eng, 1, a.tokens), "c16": decode_rate(eng, 16, a.tokens),
                    "weight_bytes_per_token": eng.model.weight_bytes}
             if any(L.window for L in eng.model.layers) or eng.model_cfg.attn_softcap:
-                eng.model.batched_decode = False     # before: masked decode rows one by one
+                eng.model.attn.batched_decode = False     # before: masked decode rows one by one
                 row["c1_rowwise"] = decode_rate(eng, 1, a.tokens)
                 row["c16_rowwise"] = decode_rate(eng, 16, a.tokens)
-                eng.model.batched_decode = True
+                eng.model.attn.batched_decode = True
             if eng.model_cfg.moe_layers:
                 row["moe"] = touched_bytes(eng)
             res["archs"][name] = row

@@ -21,8 +21,35 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import EngineConfig
-from .model import BatchMeta, SeqSpan
 from .scheduler import Scheduled
+
+
+@dataclass(slots=True)
+class SeqSpan:
+    """Rows [start, start + n) of the flat batch belong to one sequence whose context
+    (after this step) is positions [0, context_len)."""
+    start: int
+    n: int
+    context_len: int
+    ctx_slots: torch.Tensor  # [context_len] int64 flat slots of positions 0..context_len-1
+    request_id: str = ""     # whose rows (layer listeners stream a request's KV by it)
+    rowwise: bool = False    # deterministic mode: each row as its own decode step attends
+
+
+@dataclass(slots=True)
+class BatchMeta:
+    positions: torch.Tensor      # [T] int64
+    slot_mapping: torch.Tensor   # [T] int64, -1 for padding rows
+    # leading decode rows attended in one batched paged-attention call
+    num_decode: int = 0
+    block_tables: torch.Tensor | None = None   # [num_decode, max_blocks] int32
+    context_lens: torch.Tensor | None = None   # [num_decode] int32
+    spans: list[SeqSpan] = field(default_factory=list)  # everything else, per sequence
+    logits_rows: torch.Tensor | None = None    # [S] rows whose logits are wanted
+    pad_logits_to: int = 0                      # deterministic mode: fixed lm_head M
+    loads: list = field(default_factory=list)   # layer_load.LayerLoad: wait per layer
+    load_timeout_s: float = 30.0
+
 
 # CPU, SmolLM2's heads, bf16 KV, one thread, us per layer (batched call / per sequence),
 # contexts within +-10 tokens of each other: 2 rows at 20 / 100 / 300 tokens 53/68,

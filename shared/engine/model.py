@@ -13,50 +13,22 @@ whatever else is in the batch.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_ops import load as cpu_ops_loaded, row_attention, rows_attention
+from kernels.cpu_ops import load as cpu_ops_loaded
 from kernels.kv_cache import plan_slots, write_kv
-from kernels.paged_attention import paged_attention_decode, plan_decode
 
 from .archs import ACTIVATIONS
+from .attention import Attention
+from .batch import BatchMeta, SeqSpan
 from .head import SplitHead
 from .loader import ModelConfig, load_weights
-from .masked_attention import attend_decode, attend_rows, table_slots
 from .moe import expert_weights, route
 from .quant import quantize_weight, weight_nbytes
 from .rope import rope_cos_sin
 from .smooth import CALIBRATION_TOKENS, Observed, SmoothedWeight, smoothing
-
-
-@dataclass(slots=True)
-class SeqSpan:
-    """Rows [start, start + n) of the flat batch belong to one sequence whose context
-    (after this step) is positions [0, context_len)."""
-    start: int
-    n: int
-    context_len: int
-    ctx_slots: torch.Tensor  # [context_len] int64 flat slots of positions 0..context_len-1
-    request_id: str = ""     # whose rows (layer listeners stream a request's KV by it)
-    rowwise: bool = False    # deterministic mode: each row as its own decode step attends
-
-
-@dataclass(slots=True)
-class BatchMeta:
-    positions: torch.Tensor      # [T] int64
-    slot_mapping: torch.Tensor   # [T] int64, -1 for padding rows
-    # leading decode rows attended in one batched paged-attention call
-    num_decode: int = 0
-    block_tables: torch.Tensor | None = None   # [num_decode, max_blocks] int32
-    context_lens: torch.Tensor | None = None   # [num_decode] int32
-    spans: list[SeqSpan] = field(default_factory=list)  # everything else, per sequence
-    logits_rows: torch.Tensor | None = None    # [S] rows whose logits are wanted
-    pad_logits_to: int = 0                      # deterministic mode: fixed lm_head M
-    loads: list = field(default_factory=list)   # layer_load.LayerLoad: wait per layer
-    load_timeout_s: float = 30.0
 
 
 class Layer:
@@ -81,7 +53,7 @@ class Model:
         self.device = self.embed.device
         self.norm = self._norm_weight(weights["model.norm.weight"])
         self.gelu = ACTIVATIONS.get(cfg.act)      # None: SiLU; else torch's gelu approximate
-        self.batched_decode = True     # masked layers' decode rows in one batch (bench: off)
+        self.attn = Attention(cfg.num_kv_heads, cfg.head_dim, self.scale, cfg.attn_softcap)
         head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
         qh = lambda t: quantize_weight(t, quantize, head=True, a8=act_int8)  # noqa: E731
         self.lm_head = SplitHead(head, qh) if head_split and quantize else qh(head)
@@ -202,7 +174,7 @@ class Model:
         rot = {k: (c[meta.positions].unsqueeze(1), s[meta.positions].unsqueeze(1))
                for k, (c, s) in self.tables.items()}                 # [T, 1, D] each
         slots = plan_slots(meta.slot_mapping)      # shared by every layer's KV write
-        plan = self._decode_plan(meta, kv)
+        plan = self.attn.plan(meta, kv)
         for li, L in enumerate(self.layers):
             x = self.rms_norm(h, L.ln1)
             qkv = linear(x, L.qkv_w, L.qkv_b)                        # [T, (Hq+2Hkv)*D]
@@ -220,9 +192,9 @@ class Model:
             for ld in meta.loads:   # readiness guard: layer li of a prefix load has landed
                 ld.wait(li, meta.load_timeout_s)
             if L.window or cfg.attn_softcap:
-                o = self.masked_attention(q, k_cache, v_cache, meta, L.window)
+                o = self.attn.masked(q, k_cache, v_cache, meta, L.window)
             else:
-                o = self.attention(q, k_cache, v_cache, meta, plan)  # [T, Hq, D]
+                o = self.attn(q, k_cache, v_cache, meta, plan)  # [T, Hq, D]
             o = linear(o.reshape(T, Hq * D), L.o_w, L.o_b)
             h = h + (o if L.post_attn is None else self.rms_norm(o, L.post_attn))
             x = self.rms_norm(h, L.ln2)
@@ -249,111 +221,6 @@ class Model:
         """A sparse layer (moe.py): the router's logits, then the routed experts."""
         return route(x, linear(x, L.router), L.experts, self.cfg, self.mlp, fixed_m)
 
-    @staticmethod
-    def _decode_plan(meta: BatchMeta, kv: torch.Tensor):
-        """The torch decode attention's gather plan, shared by every layer; none on CUDA or
-        where the C++ op reads the cache in place (kernels/cpu_ops)."""
-        if not meta.num_decode or kv.is_cuda or cpu_ops_loaded():
-            return None
-        return plan_decode(meta.block_tables, meta.context_lens, kv.shape[3])
-
-    def attention(self, q, k_cache, v_cache, meta: BatchMeta, plan=None) -> torch.Tensor:
-        nd, T = meta.num_decode, q.shape[0]
-        if nd:
-            od = paged_attention_decode(q[:nd], k_cache, v_cache, meta.block_tables,
-                                        meta.context_lens, self.scale, plan)
-            if nd == T:
-                return od
-        Hkv, D = self.cfg.num_kv_heads, self.cfg.head_dim
-        kf, vf = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)
-        if len(meta.spans) == 1 and not nd and meta.spans[0].n == T:  # one span, every row
-            return self._span(q, kf, vf, meta.spans[0])
-        out = torch.zeros_like(q)
-        if nd:
-            out[:nd] = od
-        for s in meta.spans:
-            out[s.start:s.start + s.n] = self._span(q, kf, vf, s)
-        return out
-
-    def masked_attention(self, q, k_cache, v_cache, meta: BatchMeta, window: int):
-        """A sliding-window or soft-capped layer's attention (masked_attention.py): decode
-        rows in one batch (each alone in deterministic mode, and with batched_decode off),
-        every row of a deterministic-mode span alone."""
-        Hkv, D = self.cfg.num_kv_heads, self.cfg.head_dim
-        kf, vf = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)
-        att = lambda rows, slots, ctx: attend_rows(  # noqa: E731
-            rows, kf, vf, slots, ctx, self.scale, window, self.cfg.attn_softcap)
-        out = torch.zeros_like(q)
-        nd = meta.num_decode
-        batched = self.batched_decode and not meta.pad_logits_to
-        if nd and batched:
-            out[:nd] = attend_decode(q[:nd], kf, vf, meta.block_tables, meta.context_lens,
-                                     k_cache.shape[1], self.scale, window, self.cfg.attn_softcap)
-        for b in range(0 if batched else nd):
-            ctx = int(meta.context_lens[b])
-            out[b:b + 1] = att(q[b:b + 1], table_slots(meta.block_tables[b], ctx,
-                                                       k_cache.shape[1]), ctx)
-        for s in meta.spans:
-            if s.rowwise:
-                first = s.context_len - s.n
-                for i in range(s.n):
-                    r = s.start + i
-                    out[r:r + 1] = att(q[r:r + 1], s.ctx_slots, first + i + 1)
-            else:
-                out[s.start:s.start + s.n] = att(q[s.start:s.start + s.n], s.ctx_slots,
-                                                 s.context_len)
-        return out
-
-    def _span(self, q, kf, vf, s: SeqSpan) -> torch.Tensor:
-        """Rows of one sequence attended over exactly its context: [n, Hq, D]."""
-        if s.rowwise and s.n > 1:
-            return self._rowwise(q, kf, vf, s)
-        if s.n == 1 and not q.is_cuda:
-            return self._one_row(q[s.start], kf, vf, s.ctx_slots)
-        qs = q[s.start:s.start + s.n].transpose(0, 1).unsqueeze(0)         # [1, Hq, n, D]
-        ks = kf.index_select(0, s.ctx_slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
-        vs = vf.index_select(0, s.ctx_slots).transpose(0, 1).unsqueeze(0)
-        if s.n == 1:
-            mask, causal = None, False
-        elif s.n == s.context_len:
-            mask, causal = None, True
-        else:  # a later chunk: row i sees positions <= ctx - n + i
-            dev = q.device
-            qpos = torch.arange(s.context_len - s.n, s.context_len, device=dev).unsqueeze(1)
-            mask = torch.arange(s.context_len, device=dev).unsqueeze(0) <= qpos
-            causal = False
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal,
-                                           scale=self.scale, enable_gqa=True)
-        return o[0].transpose(0, 1)
-
-    def _rowwise(self, q, kf, vf, s: SeqSpan) -> torch.Tensor:
-        """Each row of the span exactly as a decode step of that position attends it
-        (deterministic mode): a prompt's KV is then bit for bit the KV its tokens get when
-        generated one by one, so a migrated request (prompt + tokens so far, recomputed as
-        a prefill) goes on as the uninterrupted one, and a chunk split changes nothing."""
-        out = rows_attention(q[s.start:s.start + s.n], kf, vf, s.ctx_slots, self.scale)
-        if out is not None:
-            return out
-        first = s.context_len - s.n
-        return torch.cat([self._span(q, kf, vf, SeqSpan(s.start + i, 1, first + i + 1,
-                                                        s.ctx_slots[:first + i + 1]))
-                          for i in range(s.n)])
-
-    def _one_row(self, q, kf, vf, ctx_slots: torch.Tensor) -> torch.Tensor:
-        """One query row (a decode step) over its context, [1, Hq, D]: two float32 bmms
-        over the kv heads, on strided views of the gathered K/V. On CPU (SmolLM2's heads,
-        bf16 KV, one thread) 2.6-4.2x faster than scaled_dot_product_attention for one
-        row: 109 -> 42 us a layer at 100 tokens of context, 282 -> 67 us at 300. The C++
-        op (kernels/cpu_ops) reads K/V in place instead: 86 -> 41 us at 100 (bfloat16)."""
-        out = row_attention(q, kf, vf, ctx_slots, self.scale)
-        if out is not None:
-            return out.unsqueeze(0)
-        Hkv, D = kf.shape[1], kf.shape[2]
-        ks = kf.index_select(0, ctx_slots).float()                 # [ctx, Hkv, D]
-        vs = vf.index_select(0, ctx_slots).float()
-        qg = q.float().view(Hkv, -1, D)                            # [Hkv, G, D]
-        p = torch.softmax(torch.bmm(qg, ks.permute(1, 2, 0)).mul_(self.scale), dim=-1)
-        return torch.bmm(p, vs.transpose(0, 1)).reshape(1, -1, D).to(q.dtype)
 
 
 def half_tables(cos: torch.Tensor, sin: torch.Tensor, D: int):

@@ -35,7 +35,7 @@ def hf_logits(ref, ids: list[int]) -> torch.Tensor:
 def engine_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     """Logits at every position, by prefilling the prompt one prefix at a time is slow;
     instead run a prefill and read all rows."""
-    from shared.engine.model import BatchMeta, SeqSpan
+    from shared.engine.batch import BatchMeta, SeqSpan
 
     n = len(ids)
     blocks = engine.pool.allocate(engine.pool.blocks_for(n))

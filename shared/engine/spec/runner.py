@@ -53,7 +53,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..model import BatchMeta, Model, SeqSpan
+from ..batch import BatchMeta, SeqSpan
+from ..model import Model
 from ..output import OutputProcessor, RequestOutput
 from ..sampling import fit_banned
 from ..scheduler import Scheduled
