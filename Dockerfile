@@ -11,6 +11,8 @@
 ARG BASE_IMAGE=python:3.11-slim
 
 FROM ${BASE_IMAGE} AS builder
+# scripts/image.sh removes untagged pdmesh.stage images after a build (~4 GB each time)
+LABEL pdmesh.stage=builder
 ARG CPU_ARCH=x86-64-v3
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/venv/bin:$PATH
 # g++, and Python's headers where the base lacks them (a debootstrapped Debian does)
@@ -46,6 +48,7 @@ RUN python -m kernels.cpu_ops && ls /opt/pdmesh-ext/*/pdmesh_cpu_ops*.so
 RUN python -m shared.engine.gguf_convert --out /models/SmolLM2-135M-Instruct
 
 FROM ${BASE_IMAGE}
+LABEL pdmesh.stage=runtime
 ARG CPU_ARCH=x86-64-v3
 ENV PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PATH=/opt/venv/bin:$PATH \
     PDMESH_CPU_ARCH=${CPU_ARCH} PDMESH_EXT_DIR=/opt/pdmesh-ext PDMESH_CPU_PREBUILT=1 \

@@ -60,4 +60,7 @@ sed '/^xgrammar/d' requirements-runtime.txt > deploy/wheels/runtime.txt
 log "docker build $TAG (CPU_ARCH=$ARCH)"
 t0=$(date +%s)
 docker build -q --build-arg BASE_IMAGE="$BASE" --build-arg CPU_ARCH="$ARCH" -t "$TAG" . >/dev/null
+# the builder stage, and the image the tag named before, stay behind untagged (~4 GB and
+# ~2 GB a build): remove them
+docker image prune -f --filter label=pdmesh.stage >/dev/null
 log "built $TAG in $(( $(date +%s) - t0 )) s: $(docker image inspect -f '{{.Size}}' "$TAG" | awk '{printf "%.0f MB", $1/1e6}')"
