@@ -9,7 +9,7 @@ import aiohttp
 import nats
 import pytest
 
-from shared import subjects
+from shared import micro, subjects
 
 BAD = [
     ("POST", "/v1/chat/completions", b"{not json", 400),
@@ -124,23 +124,46 @@ def test_micro_discovery_finds_all_four_services(mesh):
 
         await nc.subscribe(inbox, cb=cb)
         await nc.publish("$SRV.PING", b"", reply=inbox)
-        await asyncio.sleep(0.5)
+        await until(lambda: set(names) >= FOUR)          # every one answered
         await nc.close()
         return names
 
-    assert set(asyncio.run(run())) >= {"gateway", "decode", "prefill", "kvstore"}
+    assert set(asyncio.run(run())) >= FOUR
+
+
+FOUR = {"gateway", "decode", "prefill", "kvstore"}
+
+
+async def until(cond, timeout_s: float = 20.0) -> None:
+    """Wait for a state, not a time: cond() true, or fail after timeout_s."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "never happened"
+        await asyncio.sleep(0.05)
 
 
 @pytest.mark.parametrize("payload", [b"", b"x" * 10])
 def test_pd_jobs_with_garbage_are_dropped(mesh, payload):
     """A malformed job on the JetStream queue is terminated, not redelivered forever."""
     async def run():
+        debug = await nats.connect(**mesh.client_options())
+        bad_before = await bad_jobs(debug)
         nc = await nats.connect(**mesh.client_options("decode"))    # who queues jobs
         js = nc.jetstream()
         await js.publish(subjects.prefill_jobs(), payload)
-        await asyncio.sleep(1.0)
-        info = await js.stream_info(subjects.PREFILL_STREAM)
+        deadline = asyncio.get_running_loop().time() + 30
+        while True:      # until prefill has seen it (counted) and the stream is empty
+            info = await js.stream_info(subjects.PREFILL_STREAM)
+            seen = await bad_jobs(debug)
+            if seen > bad_before and info.state.messages == 0:
+                break
+            assert asyncio.get_running_loop().time() < deadline, (seen, info.state)
+            await asyncio.sleep(0.1)
         await nc.close()
-        return info.state.messages
+        await debug.close()
 
-    assert asyncio.run(run()) == 0
+    asyncio.run(run())
+
+
+async def bad_jobs(nc) -> int:
+    return int((await micro.total_stats(nc, "prefill", wait_s=0.3)).get("bad_jobs", 0))
