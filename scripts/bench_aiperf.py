@@ -28,9 +28,9 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
+from pdmesh.bench.http import wait_http
 from pdmesh.bench.report import save
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,17 +96,6 @@ def run_level(args, name: str, url: str, model: str, c: int, n: int) -> dict:
     r["client_wall_s"] = round(wall, 2)
     return r
 
-
-def wait_http(url: str, path: str, timeout: float = 600) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            with urllib.request.urlopen(url + path, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except Exception:  # noqa: BLE001 - not up yet
-            time.sleep(1)
-    raise RuntimeError(f"{url} did not come up")
 
 
 def servers(args) -> list[tuple[str, list[str], str, str, str]]:

@@ -33,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 
+from pdmesh.bench.http import wait_http
 from pdmesh.bench.loadgen import percentile
 from pdmesh.bench.report import save
 
@@ -106,18 +107,6 @@ async def level(url: str, model: str, c: int, n: int, max_tokens: int) -> dict:
             "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
             "itl_p50_s": percentile(itl, 50), "itl_p90_s": percentile(itl, 90)}
 
-
-def wait_http(url: str, path: str = "/v1/models", timeout: float = 600) -> None:
-    import urllib.request
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            with urllib.request.urlopen(url + path, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except Exception:  # noqa: BLE001 - not up yet
-            time.sleep(1)
-    raise RuntimeError(f"{url} did not come up")
 
 
 def start(argv: list[str], url: str, log_path: Path, ready: str) -> subprocess.Popen:

@@ -158,7 +158,8 @@ def federate(found: dict[str, list[micro.Instance]], model_name: str) -> dict:
                 counts = dict.fromkeys(known, 0) | (st.get(key) or {})
                 for value, n in sorted(counts.items()):
                     s.add(name, help_, (*at, (label, str(value))), n)
-            _per_path(s, service, at, st)
+            if service == "prefill":
+                _per_path(s, at, st)
             s.add("pdmesh_prefix_cache_queries_blocks_total",
                   "Prompt blocks looked up in a prefix cache, by service.", at,
                   st.get("l1_query_blocks"))
@@ -187,10 +188,10 @@ def federate(found: dict[str, list[micro.Instance]], model_name: str) -> dict:
         kv[0].stats if kv else {})
 
 
-def _per_path(s: _Series, service: str, at: tuple, st: dict) -> None:
+def _per_path(s: _Series, at: tuple, st: dict) -> None:
     """A prefill worker's KV writes and bytes by transport (same-host shared memory or
     NATS)."""
-    if service != "prefill" or "kv_bytes" not in st:
+    if "kv_bytes" not in st:
         return
     shm_b, shm_w = st.get("kv_shm_bytes", 0), st.get("kv_shm_writes", 0)
     for transport, b, w in (("shm", shm_b, shm_w),
