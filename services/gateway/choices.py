@@ -10,29 +10,31 @@ deterministic mode, the last whole chunk) is computed per choice.
 Choice i samples with seed s + i (s: the request's seed, drawn when it gave none), so
 choice i equals a single request with seed s + i, whatever its placement. Each choice is a
 request of its own to decode (its own Answer and Dispatch): an anomaly re-dispatch or a
-migration after a lost instance (respond.next_chunk) moves only that choice.
+migration after a lost instance (answer.next_chunk) moves only that choice.
 
-The answer: `choices[i].index` = i; a stream interleaves the choices' chunks, each carrying
-its index (OpenAI's shape: a role chunk and a finish chunk per choice); usage counts the
-prompt once (with choice 0's cached_tokens: what the prompt cost) and sums completions. One
-choice failing fails the request (an error status, or an SSE error event once streaming).
+The answer is a merge of the choices' event streams (answer.events), each event tagged with
+its choice's index, rendered as one request's: `choices[i].index` = i; a stream interleaves
+the choices' chunks, each carrying its index (OpenAI's shape: a role chunk and a finish
+chunk per choice); usage counts the prompt once (with choice 0's cached_tokens: what the
+prompt cost) and sums completions. One choice failing fails the request (an error status,
+or an SSE error event once streaming).
 """
 from __future__ import annotations
 
 import asyncio
 import random
 import time
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import msgspec
 from aiohttp import web
 
-from shared.contracts.messages import TokenChunk
-
 from . import access, intake, protocol as P
 from .aborting import AbortOnExit, close
+from .answer import Answer, Event, events
 from .protocol import OpenAIError
-from .respond import SSE_HEADERS, Answer, SseStream, client_gone, next_chunk, whole_body
+from .respond import SSE_HEADERS, SseStream, client_gone, whole_body
 from .slowclients import sse_response
 from .validate import Prepared
 
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
 
 _SEEDS = 1 << 64
 _rng = random.Random()
+_DONE = object()
 
 
 def choice_seeds(seed: int | None, n: int) -> list[int]:
@@ -49,22 +52,8 @@ def choice_seeds(seed: int | None, n: int) -> list[int]:
     return [s + i if s + i < _SEEDS else s + i - _SEEDS for i in range(n)]
 
 
-class Choice(Answer):
-    """One choice's answer; `started` is set once a chunk of it was accounted."""
-
-    def __init__(self, index: int, *args):
-        super().__init__(*args)
-        self.index = index
-        self.started = asyncio.Event()
-
-    def add(self, chunk: TokenChunk):
-        out = super().add(chunk)
-        self.started.set()
-        return out
-
-
 class Choices:
-    """The n choices of one request: dispatch (choice 0 first), relay, abort."""
+    """The n choices of one request: dispatch (choice 0 first), merge, abort."""
 
     def __init__(self, gw: Gateway, request: web.Request, prep: Prepared, rid: str,
                  arrival: float):
@@ -74,42 +63,55 @@ class Choices:
         self.deadline = arrival + self.client.request_timeout_s
         self.gone = client_gone(request)
         self.seeds = choice_seeds(prep.params.seed, prep.options.n)
-        self.answers: list[Choice] = []
+        self.answers: list[Answer] = []
 
-    async def dispatch(self, i: int, prefer: str | None = None) -> Choice:
+    async def dispatch(self, i: int, prefer: str | None = None) -> Answer:
         p = self.prep
         rid = self.rid if i == 0 else f"{self.rid}-{i}"
         params = msgspec.structs.replace(p.params, seed=self.seeds[i])
         d = await intake.submit(self.gw, self.request, p, rid, prefer, params)
         self.gw.metrics.choices.inc()
-        ans = Choice(i, p, d, self.arrival, self.gw.metrics, self.gw.token_text, rid)
+        ans = Answer(p, d, self.arrival, self.gw.metrics, self.gw.token_text, rid)
         self.answers.append(ans)
         return ans
 
-    async def run(self, relay) -> None:
-        """relay(ans) for every choice: choice 0's at once, the others once choice 0's
-        first chunk is in (then its instance holds the prompt), all to the end. Any
-        failure cancels the rest and is raised."""
-        first = self.answers[0]
-        tasks = [asyncio.ensure_future(relay(first))]
+    async def merge(self, stream: bool) -> AsyncIterator[tuple[int, Event]]:
+        """Every choice's events as they come, tagged with the choice's index: choice 0's
+        at once, the others' once choice 0's first event is in (then its instance holds
+        the prompt), all to the end. A failure of any choice cancels the rest and is
+        raised."""
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, ans: Answer) -> None:
+            try:
+                async for e in events(self.client, ans, self.deadline, self.gone, stream):
+                    q.put_nowait((i, e))
+            except Exception as exc:            # raised by the consumer, below
+                q.put_nowait((i, exc))
+            else:
+                q.put_nowait((i, _DONE))
+
+        tasks = [asyncio.ensure_future(pump(0, self.answers[0]))]
         try:
-            started = asyncio.ensure_future(first.started.wait())
-            await asyncio.wait([tasks[0], started], return_when=asyncio.FIRST_COMPLETED)
-            started.cancel()
-            if tasks[0].done() and tasks[0].exception() is not None:
-                raise tasks[0].exception()
-            for i in range(1, self.prep.options.n):
-                ans = await self.dispatch(i, prefer=first.d.instance)
-                tasks.append(asyncio.ensure_future(relay(ans)))
-            await asyncio.gather(*tasks)
+            live, first = 1, True
+            while live:
+                i, e = await q.get()
+                if isinstance(e, Exception):
+                    raise e
+                if e is _DONE:
+                    live -= 1
+                    continue
+                if first:
+                    first = False
+                    for k in range(1, self.prep.options.n):
+                        ans = await self.dispatch(k, prefer=self.answers[0].d.instance)
+                        tasks.append(asyncio.ensure_future(pump(k, ans)))
+                        live += 1
+                yield i, e
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def collect(self, ans: Choice) -> None:
-        while not ans.d.finished:
-            ans.add(await next_chunk(self.client, ans, self.deadline, self.gone))
 
     def usage(self) -> dict:
         a0 = self.answers[0]
@@ -139,12 +141,13 @@ async def answer_n(request: web.Request, gw: Gateway, prep: Prepared, rid: str,
 
 
 async def _whole(ch: Choices) -> web.Response:
-    await ch.run(ch.collect)
+    async for _ in ch.merge(stream=False):
+        pass
     created = int(time.time())
     body = None
-    for ans in sorted(ch.answers, key=lambda a: a.index):
+    for i, ans in enumerate(ch.answers):
         b = whole_body(ans, ch.rid, created)
-        b["choices"][0]["index"] = ans.index
+        b["choices"][0]["index"] = i
         if body is None:
             body = b
         else:
@@ -154,31 +157,20 @@ async def _whole(ch: Choices) -> web.Response:
                         headers=ch.headers())
 
 
-class _OneAtATime:
-    """The response the choices' SseStreams share: one whole event written at a time."""
-
-    def __init__(self, resp: web.StreamResponse, lock: asyncio.Lock):
-        self.resp, self.lock = resp, lock
-
-    async def write(self, data: bytes) -> None:
-        async with self.lock:
-            await self.resp.write(data)
-
-
 async def _stream(ch: Choices) -> web.StreamResponse:
     resp = sse_response(ch.request, SSE_HEADERS | ch.headers())
     await resp.prepare(ch.request)
-    created, lock = int(time.time()), asyncio.Lock()
-    o = ch.prep.options
-
-    async def relay(ans: Choice) -> None:
-        await SseStream(_OneAtATime(resp, lock), ans, ch.rid, created, index=ans.index,
-                        own_usage=False).relay(ch.client, ch.deadline, ch.gone)
-
+    sse = SseStream(resp, ch.prep, ch.rid, int(time.time()))
     try:
-        await ch.run(relay)
-        if o.include_usage:
-            await resp.write(P.sse(P.usage_chunk(ch.rid, created, o.model, o.chat, ch.usage())))
+        await sse.role(0)
+        opened = {0}
+        async for i, e in ch.merge(stream=True):
+            if i not in opened:
+                opened.add(i)
+                await sse.role(i)
+            await sse.event(e, i)
+        if ch.prep.options.include_usage:
+            await sse.usage(ch.usage())
     except OpenAIError as e:
         # headers are gone: the error travels as an SSE event, then [DONE]
         ch.gw.metrics.failures.inc(code=e.code or "error")

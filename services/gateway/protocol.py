@@ -224,6 +224,12 @@ def chat_completion(rid: str, created: int, model: str, text: str | None,
             "usage": usage_, "system_fingerprint": None}
 
 
+def tool_call(call) -> dict:
+    """A parsed shared.toolcalls.Call as message.tool_calls[i]."""
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
+
+
 def chat_chunk(rid: str, created: int, model: str, delta: dict, finish_reason: str | None = None,
                logprobs: dict | None = None, with_usage: bool = False) -> dict:
     out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,

@@ -216,3 +216,36 @@ async def test_a_stream_that_loops_ends_with_length_and_why(mesh):
     last = events[-1]["choices"][0]
     assert (last["finish_reason"], last["stop_reason"]) == ("length", "repetition")
     assert d1.subs == []
+
+
+def second_choice_breaks(sub: DecodeSubmit) -> list[TokenChunk]:
+    """Choice 1 (request id `<rid>-1`) aborts after two chunks; any other plays good()."""
+    return anomaly(after=2)(sub) if sub.request_id.endswith("-1") else good(sub)
+
+
+async def test_n_choices_stream_never_splices_a_choice_that_showed_content(mesh):
+    """n > 1 merges its choices' event streams: a choice's events can be taken from its
+    stream before they are written, so `sent` must hold from the moment an event is taken
+    (answer.events), or choice 1 would be re-dispatched after "bad bad " went out."""
+    http, d0, d1 = mesh
+    d0.script = second_choice_breaks
+    r = await http.post(CHAT, json=BODY | {"stream": True, "n": 2})
+    assert r.status == 200
+    events = [json.loads(line[6:]) for line in (await r.text()).split("\n\n")
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    second = "".join(e["choices"][0]["delta"].get("content") or "" for e in events
+                     if "choices" in e and e["choices"][0]["index"] == 1)
+    assert second == "bad bad "
+    assert events[-1]["error"]["code"] == "anomaly_detected"
+    assert d1.subs == []
+
+
+async def test_n_choices_whole_answer_redispatches_the_choice_that_broke(mesh):
+    http, d0, d1 = mesh
+    d0.script = second_choice_breaks
+    r = await http.post(CHAT, json=BODY | {"n": 2})
+    body = await r.json()
+    assert r.status == 200, body
+    assert [c["message"]["content"] for c in body["choices"]] == ["good good good "] * 2
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert len(d1.subs) == 1 and d1.subs[0].params.seed == d0.subs[1].params.seed

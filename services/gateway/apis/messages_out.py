@@ -16,12 +16,13 @@ import json
 from aiohttp import web
 
 from shared.contracts.messages import FinishReason
-from shared.toolcalls import Call, Text
+from shared.toolcalls import Call
 
 from .. import protocol as P
 from ..aborting import fail_stream
+from ..answer import Piece
 from ..protocol import OpenAIError
-from .common import Turn, whole_blocks
+from .common import Turn
 from .messages import Ctx
 
 # HTTP status -> Anthropic error type
@@ -69,7 +70,7 @@ def stop(turn: Turn, calls: bool) -> tuple[str, str | None]:
     if turn.ans.finish_reason == FinishReason.LENGTH.value:
         return "max_tokens", None
     ctx: Ctx = turn.job.ctx
-    matched = turn.last_chunk.stop_reason if turn.last_chunk is not None else None
+    matched = turn.ans.stop_reason
     if isinstance(matched, str) and matched in ctx.stop_sequences:
         return "stop_sequence", matched
     return "end_turn", None
@@ -83,8 +84,7 @@ def message(turn: Turn, content: list[dict], reason: str | None, seq: str | None
 
 
 async def respond_whole(turn: Turn) -> web.Response:
-    text, calls = whole_blocks(await turn.whole_text(), turn.rid, turn.tools,
-                              turn.job.prep.constraint)
+    text, calls = (await turn.whole()).message()
     content = [{"type": "text", "text": text}] if text else []
     content += [tool_use(c) for c in calls]
     reason, seq = stop(turn, bool(calls))
@@ -148,7 +148,10 @@ async def respond_stream(turn: Turn) -> web.StreamResponse:
     turn.on_start = ev.start
     try:
         async for e in turn.events():
-            await (ev.text(e.text) if isinstance(e, Text) else ev.call(e))
+            if isinstance(e, Piece) and e.text:
+                await ev.text(e.text)
+            elif isinstance(e, Call):
+                await ev.call(e)
         await ev.finish()
     except OpenAIError as e:
         if turn.resp is None:

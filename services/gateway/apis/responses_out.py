@@ -20,13 +20,14 @@ import msgspec
 from aiohttp import web
 
 from shared.contracts.messages import FinishReason
-from shared.toolcalls import Call, Text
+from shared.toolcalls import Call
 
 from .. import protocol as P
 from ..aborting import fail_stream
+from ..answer import Piece
 from ..auth import TENANT
 from ..protocol import OpenAIError
-from .common import Turn, whole_blocks
+from .common import Turn
 from .responses import Ctx
 from .store import ResponseStore
 
@@ -101,8 +102,7 @@ def _remember(store: ResponseStore, turn: Turn, response: dict, text: str | None
 
 
 async def respond_whole(turn: Turn, store: ResponseStore) -> web.Response:
-    text, calls = whole_blocks(await turn.whole_text(), turn.rid, turn.tools,
-                              turn.job.prep.constraint)
+    text, calls = (await turn.whole()).message()
     output = [message_item(_id("msg"), text)] if text or not calls else []
     output += [call_item(_id("fc"), c) for c in calls]
     body = response_obj(turn, _status(turn), output)
@@ -197,7 +197,10 @@ async def respond_stream(turn: Turn, store: ResponseStore) -> web.StreamResponse
     turn.on_start = ev.start
     try:
         async for e in turn.events():
-            await (ev.text(e.text) if isinstance(e, Text) else ev.call(e))
+            if isinstance(e, Piece) and e.text:
+                await ev.text(e.text)
+            elif isinstance(e, Call):
+                await ev.call(e)
         body = await ev.finish()
     except OpenAIError as e:
         if turn.resp is None:          # nothing sent yet: a plain HTTP error
