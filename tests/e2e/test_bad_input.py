@@ -88,8 +88,9 @@ def test_garbage_on_every_service_subject_is_survived(mesh):
                         assert r.headers["Nats-Service-Error-Code"].startswith("4"), r.headers
                 except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
                     pass  # fire-and-forget subjects have no reply
-        await asyncio.sleep(0.5)
-        nc = conns[None]
+        for c in conns.values():
+            await c.flush()               # every garbage is at the server before the
+        nc = conns[None]                  # health questions
         for service, iid in instances.items():
             r = await nc.request(subjects.health(service, iid), b"", timeout=10)
             assert json.loads(r.data)["ok"], service
