@@ -8,6 +8,12 @@ Each run starts `pdmesh up` (the default model, its defaults: int4, n-gram specu
 the model card's sampling) on a free port, sends the README's request with no sampling
 fields `--runs` times, `--concurrency` at once, and stops it. Writes
 <out>/readme_question.json and .png.
+
+`first_token` in the JSON says why the Paris share is what it is: the served model's own
+first-token distribution (top_logprobs of one request, raw logits), and transformers'
+float32 and bfloat16 forward of the same checkpoint for reference, each as probabilities
+at the model card's temperature (0.2). `--odds-only` measures just that, into the JSON
+already there.
 """
 from __future__ import annotations
 
@@ -71,6 +77,56 @@ async def ask_all(url: str, runs: int, concurrency: int) -> list[dict]:
         return await asyncio.gather(*(one(http) for _ in range(runs)))
 
 
+TEMPERATURE = 0.2      # the model card's (services/gateway/defaults.py reads it)
+
+
+def at_temperature(logprobs: dict[str, float]) -> dict[str, float]:
+    """Top tokens' raw logprobs -> their probabilities at TEMPERATURE (over these tokens:
+    at 0.2 the rest of the vocabulary holds a negligible share)."""
+    import math
+    z = {t: lp / TEMPERATURE for t, lp in logprobs.items()}
+    top = max(z.values())
+    tot = sum(math.exp(v - top) for v in z.values())
+    return {t: round(math.exp(v - top) / tot, 4) for t, v in z.items()}
+
+
+async def served_first_token(url: str) -> dict:
+    body = BODY | {"max_tokens": 1, "logprobs": True, "top_logprobs": 5}
+    async with aiohttp.ClientSession() as http, \
+            http.post(url + "/v1/chat/completions", json=body) as r:
+        out = await r.json()
+    top = out["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    raw = {t["token"]: round(t["logprob"], 4) for t in top}
+    return {"logprobs": raw, "p_at_t0.2": at_temperature(raw)}
+
+
+def reference_first_token(model_dir: Path) -> dict:
+    """transformers' forward of the served checkpoint, float32 and bfloat16."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = tok.apply_chat_template(BODY["messages"], add_generation_prompt=True,
+                                  return_tensors="pt")
+    ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        with torch.no_grad():
+            lp = torch.log_softmax(m(ids).logits[0, -1].float(), -1)
+        top = torch.topk(lp, 5)
+        raw = {tok.decode([i]): round(v, 4) for v, i in zip(top.values.tolist(),
+                                                             top.indices.tolist())}
+        out[f"transformers_{str(dtype).split('.')[-1]}"] = {
+            "logprobs": raw, "p_at_t0.2": at_temperature(raw)}
+    return out
+
+
+def model_dir(logfile: Path) -> Path | None:
+    """The folder `pdmesh up` served (its log names it), for the reference forward."""
+    m = re.search(r"default model from (/\S+)", logfile.read_text())
+    return Path(m.group(1)) if m and Path(m.group(1)).is_dir() else None
+
+
 async def anomalies(url: str) -> dict:
     async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
         text = await r.text()
@@ -93,14 +149,27 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=100)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench"))
+    ap.add_argument("--odds-only", action="store_true",
+                    help="only the first-token distribution, into the JSON already there")
     a = ap.parse_args()
+    out = Path(a.out)
     res = {"runs": a.runs, "concurrency": a.concurrency, "body": BODY, "modes": {}}
+    if a.odds_only:
+        res = json.loads((out / "readme_question.json").read_text())
     with tempfile.TemporaryDirectory() as tmp:
         for name, extra in (("defaults", []),
                             ("monitor_off", ["--set", "decode.monitor=false"])):
             log(f"{name}: pdmesh up {' '.join(extra)}")
             proc, url = up(extra, Path(tmp) / f"{name}.log")
             try:
+                if name == "defaults":
+                    res["first_token"] = {"served": asyncio.run(served_first_token(url))}
+                    folder = model_dir(Path(tmp) / f"{name}.log")
+                    if folder is not None:
+                        res["first_token"] |= reference_first_token(folder)
+                    log(f"first token: {res['first_token']}")
+                if a.odds_only:
+                    break
                 answers = asyncio.run(ask_all(url, a.runs, a.concurrency))
                 res["modes"][name] = {"summary": summary(answers),
                                       "anomaly_aborts": asyncio.run(anomalies(url)),
@@ -113,7 +182,6 @@ def main() -> int:
                     proc.kill()
             log(f"{name}: {res['modes'][name]['summary']} anomaly aborts "
                 f"{res['modes'][name]['anomaly_aborts']}")
-    out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "readme_question.json").write_text(json.dumps(res, indent=2) + "\n")
     import matplotlib
