@@ -7,9 +7,9 @@
   prompts      code (tests/conftest.py CODE_PROMPTS) and chat (synthetic multi-turn Q&A,
                rendered with the chat template): the draft agrees with the target on ~64%
                of code tokens and ~90% of chat tokens
-  concurrency  1: each prompt runs alone on every engine in turn; 4 and 8: rounds of 4 or
-               8 requests at once, every engine in turn each round (interleaved, so machine load
-               hits all engines alike)
+  concurrency  1: each prompt runs alone on every engine in turn; above 1 (--concurrency,
+               default 4 16): rounds of c requests at once, every engine in turn each round
+               (interleaved, so machine load hits all engines alike)
 
 Decode tokens/s counts the tokens of steps that finished no prefill, over those steps' time.
 Acceptance from the engine's counters: accept length = (accepted + steps) / steps, the
@@ -18,6 +18,7 @@ accepted / proposed. Non-deterministic mode, greedy, ignore_eos, one torch threa
 Writes docs/bench/spec_<model>.json and .png.
 
     python scripts/bench_spec.py [--k 2 4] [--max-tokens 128] [--prompts 8] [--rounds 3]
+                                 [--concurrency 4 16]
 """
 from __future__ import annotations
 
@@ -99,14 +100,15 @@ class Tally:
                 "accept_rate": acc / prop if prop else None}
 
 
-def bench(engines: dict, prompts, max_tokens: int, rounds: int, kind: str) -> dict:
-    tallies = {c: {name: Tally() for name in engines} for c in (1, 4, 8)}
+def bench(engines: dict, prompts, max_tokens: int, rounds: int, kind: str,
+          levels: list[int]) -> dict:
+    tallies = {c: {name: Tally() for name in engines} for c in [1, *levels]}
     for i, ids in enumerate(prompts):          # concurrency 1, interleaved prompt by prompt
         for name, eng in engines.items():
             tallies[1][name].run(eng, [ids], max_tokens)
         log(f"  {kind} c=1 prompt {i + 1}/{len(prompts)}: " + ", ".join(
             f"{n} {t.tokens / t.seconds:.0f} tok/s" for n, t in tallies[1].items()))
-    for c in (4, 8):
+    for c in levels:
         for r in range(rounds):                 # c requests at once, engines in turn each round
             batch = ((prompts[r:] + prompts[:r]) * c)[:c]
             for name, eng in engines.items():
@@ -171,7 +173,9 @@ def main() -> None:
     ap.add_argument("--quantize", default="", help="the engines' weights: '' | int8 | int4")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=8, help="per kind at concurrency 1")
-    ap.add_argument("--rounds", type=int, default=3, help="of c requests at concurrency 4 and 8")
+    ap.add_argument("--rounds", type=int, default=3, help="of c requests at each --concurrency")
+    ap.add_argument("--concurrency", type=int, nargs="*", default=[4, 16],
+                    help="levels above 1, each in rounds of that many requests at once")
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench"))
     args = ap.parse_args()
     from shared.engine.tokenizer import Tokenizer
@@ -195,11 +199,13 @@ def main() -> None:
     runs = {}
     for kind, prompts in sets.items():
         log(f"{kind}: {len(prompts)} prompts")
-        runs[kind] = bench(engines, prompts, args.max_tokens, args.rounds, kind)
+        runs[kind] = bench(engines, prompts, args.max_tokens, args.rounds, kind,
+                           args.concurrency)
     res = {"model": Path(args.model).name, "draft": Path(args.draft).name if drafted else
            "ngram", "dtype": args.dtype, "quantize": args.quantize,
            "threads": torch.get_num_threads(), "max_tokens": args.max_tokens,
-           "prompts_per_kind": args.prompts, "rounds_c4_c8": args.rounds, "k": args.k,
+           "prompts_per_kind": args.prompts, "rounds": args.rounds,
+           "concurrency": [1, *args.concurrency], "k": args.k,
            "runs": runs}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
