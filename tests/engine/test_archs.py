@@ -290,3 +290,22 @@ def test_a_rows_expert_output_is_the_same_bits_whatever_shares_its_batch(tmp_pat
     for i in range(16):
         alone = torch.cat([x[i:i + 1], torch.zeros(15, 576)])
         assert torch.equal(m.moe(alone, m.layers[0], fixed_m=True)[0], full[i])
+
+
+def test_speculative_greedy_output_equals_plain_on_every_architecture(case):
+    """Model-free speculation (ngram, what `pdmesh up` runs) verifies k drafts in one
+    multi-row step through each architecture's own attention (windows, soft caps, q/k
+    norms, experts): greedy output is plain decoding's, token for token (deterministic)."""
+    name, path = case
+    det = dict(model=str(path), num_blocks=128, block_size=8, dtype="float32",
+               deterministic=True, max_num_seqs=3, max_num_batched_tokens=32, chunk_size=16)
+    plain = LLMEngine(EngineConfig(**det), tokenizer=None)
+    spec = LLMEngine(EngineConfig(**det, spec_method="ngram", num_speculative_tokens=4,
+                                  spec_adaptive=False), tokenizer=None)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 500, (6,), generator=g).tolist() * 3 for _ in range(3)]
+    # 64 tokens: past every window, and long enough for each random model to repeat itself
+    sp = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    want = [o["token_ids"] for o in plain.generate(prompts, sp)]
+    assert [o["token_ids"] for o in spec.generate(prompts, sp)] == want, name
+    assert spec.counters["spec_proposed"] > 0, name
