@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import random
+import shutil
 import socket
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,9 +92,9 @@ def test_per_rank_memory_is_one_nth_of_unsplit():
             assert v == [whole[k][layer] for layer in owned]             # its layers' KV only
 
 
-def _slow_worker(rank: int, size: int, port: int, delay_s: float, guard: bool, filled,
-                 out) -> None:
-    eng, g = make_rank(MODEL, size, rank, port, delay_s=delay_s if rank == 1 else 0.0,
+def _slow_worker(rank: int, size: int, port: int, delay_s: float, guard: bool, model: str,
+                 filled, out) -> None:
+    eng, g = make_rank(model, size, rank, port, delay_s=delay_s if rank == 1 else 0.0,
                        load_guard=guard if rank == 1 else True)
     wait_ready(g)
     ps = contexts(n=2)
@@ -100,7 +102,7 @@ def _slow_worker(rank: int, size: int, port: int, delay_s: float, guard: bool, f
         prefill(eng, g, ps[0])
         settle(g)
         out.put(("filled", 0))
-        time.sleep(8.0)
+        filled.wait(30)                          # rank 1 is done with this rank's layers
         out.put((0, None, None))
         return
     deadline = time.monotonic() + 20
@@ -109,17 +111,49 @@ def _slow_worker(rank: int, size: int, port: int, delay_s: float, guard: bool, f
     hit = prefill(eng, g, ps[1], max_tokens=8)
     g.lookup = lambda keys: 0                    # the same prompt computed, no cache
     ref = prefill(eng, g, ps[1], max_tokens=8)
+    filled.set()
     out.put((1, hit, ref))
 
 
 @pytest.mark.parametrize("guard", [True, False], ids=["guard", "no_guard"])
 def test_slow_transfers_wait_and_without_the_guard_go_wrong(guard):
-    _, (_, (hit, cached), (ref, _)) = _run(_slow_worker, 2, 0.3, guard)
+    _, (_, (hit, cached), (ref, _)) = _run(_slow_worker, 2, 0.3, guard, MODEL)
     assert cached > 0
     if guard:
         assert hit == ref
     else:
         assert hit != ref, "read before the layers landed, yet the same tokens"
+
+
+ARCHS = {       # tests/engine/test_archs.py's shapes, with the contexts' vocabulary and a
+                # window that reaches back into the cached prefix (rank 0 holds the local layers)
+    "gemma2": ("Gemma2Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                    sliding_window=48, query_pre_attn_scalar=24,
+                                    attn_logit_softcapping=1.5, final_logit_softcapping=4.0,
+                                    pad_token_id=0)),
+    "glm4": ("Glm4Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                attention_bias=True, pad_token_id=0)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, norm_topk_prob=True)),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_other_architectures_split_their_layers_and_answer_the_same(arch, tmp_path):
+    """A windowed, soft-capped (Gemma 2), a partial-RoPE post-norm (GLM-4) and a sparse
+    (Qwen3-MoE) model: rank 1 loads rank 0's layers of a cached prefix and continues
+    greedily exactly as computing the prompt itself."""
+    from tests.engine.test_archs import checkpoint
+
+    cls, fields = ARCHS[arch]
+    path = checkpoint(tmp_path / arch, cls, vocab_size=8192, num_hidden_layers=4,
+                      max_position_embeddings=1024, **fields)
+    for f in ("tokenizer.json", "tokenizer_config.json"):      # the tiny model's (8192)
+        shutil.copy(Path(MODEL) / f, path / f)
+    _, (_, (hit, cached), (ref, _)) = _run(_slow_worker, 2, 0.0, True, str(path))
+    assert cached > 0 and len(hit) == 8
+    assert hit == ref
 
 
 def _host_worker(rank: int, size: int, port: int, filled, out) -> None:
