@@ -49,7 +49,7 @@ from .config import EngineConfig
 from .kv_port import KvPort
 from .layer_load import LayerLoad, LoadFailed
 from .limits import check_request
-from .loader import draft_config, load_config
+from .loader import check_stop_ids, draft_config, load_config
 from .model import kv_block_bytes, kv_pool, load_model
 from .model_path import resolve
 from .output import OutputProcessor, RequestOutput
@@ -89,6 +89,7 @@ class LLMEngine:
             from .tokenizer import Tokenizer
             tokenizer = Tokenizer.from_pretrained(folder)
         self.tokenizer = tokenizer
+        check_stop_ids(folder, tokenizer, mc.vocab_size)
         self.model = load_model(folder, mc, cfg, smooth_ids=calibration_ids(cfg, tokenizer))
         dc = draft_config(cfg, mc)
         models = [c for c in (mc, dc) if c is not None]

@@ -31,6 +31,18 @@ class CheckpointError(ValueError):
     """The folder is not a checkpoint this engine can serve."""
 
 
+def check_stop_ids(folder, tokenizer, vocab_size: int) -> None:
+    """Every id that ends a generation (tokenizer, generation_config.json, config.json)
+    is a row of the model's logits: an id past them could never be sampled and breaks
+    every grammar's stop mask, so the checkpoint is refused by name at load."""
+    if tokenizer is None:
+        return
+    bad = sorted(i for i in tokenizer.eos_token_ids if not 0 <= i < vocab_size)
+    if bad:
+        raise CheckpointError(f"{folder}: eos_token_id {bad} outside the model's vocabulary "
+                              f"({vocab_size} rows; generation_config.json / config.json)")
+
+
 SUPPORTED_ARCHITECTURES = sorted(ARCHS)
 # tensors a checkpoint may carry that the forward recomputes (older Llama exports)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

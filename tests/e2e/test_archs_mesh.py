@@ -4,15 +4,19 @@ this project exists to fix) and Gemma 2 (local/global layers with a window the p
 pass, soft-capped scores and logits) and Qwen3-MoE (8 experts, top 2) checkpoints, written by transformers' own classes with
 the tiny model's tokenizer beside them. PD == colocated == the engine alone, token for token
 (deterministic mode), greedy and seeded sampling: the KV wire's shapes come from the config,
-and prefill's KV is the KV decode would have computed."""
+and prefill's KV is the KV decode would have computed. tool_choice "required" gives the
+same schema-valid call on both paths."""
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 
 import aiohttp
+import jsonschema
 import pytest
 
+from pdmesh.bench.workloads import TOOLS
 from pdmesh.local.cluster import Cluster
 from shared.contracts.sampling import SamplingParams
 from tests.engine.test_archs import checkpoint
@@ -21,7 +25,8 @@ from .conftest import DET, det_overrides, reference_engine
 from .helpers import complete, micro_stats
 
 SHAPES = {
-    "glm4": ("Glm4Config", dict(head_dim=16, attention_bias=True)),
+    "glm4": ("Glm4Config", dict(head_dim=16, attention_bias=True,
+                                eos_token_id=0)),   # the tiny tokenizer's, not GLM's 151329
     "gemma2": ("Gemma2Config", dict(head_dim=32, sliding_window=4, query_pre_attn_scalar=24,
                                     attn_logit_softcapping=1.5, final_logit_softcapping=4.0)),
     "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=16, num_experts=8, num_experts_per_tok=2,
@@ -63,3 +68,29 @@ def test_pd_equals_colocated_equals_engine(model, tiny_prompts):
                 assert headers["x-pdmesh-path"] == path and toks == w, (path, kw)
         prefill = asyncio.run(micro_stats(c.nats_url, "prefill"))
         assert prefill["jobs_done"] >= len(todo) and prefill["kv_bytes"] > 0
+        # tool_choice "required" (the GLM-5 deployments' HTTP 500): on either path the
+        # grammar forces a call, the same call, whose arguments fit the tool's schema
+        answers = asyncio.run(_required_tool_call(c.url))
+        calls = [[(t["function"]["name"], t["function"]["arguments"])
+                  for t in a["message"].get("tool_calls") or []] for a in answers]
+        assert calls[0] == calls[1] and answers[0]["finish_reason"] == \
+            answers[1]["finish_reason"], answers
+        if answers[0]["finish_reason"] == "tool_calls":
+            schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+            for name, args in calls[0]:
+                jsonschema.validate(json.loads(args), schemas[name])
+        else:                                   # cut by max_tokens inside the call
+            assert answers[0]["finish_reason"] == "length", answers
+
+
+async def _required_tool_call(url: str) -> list[dict]:
+    out = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(120)) as http:
+        for path in ("pd", "colocated"):
+            body = {"model": "tiny-target", "tools": TOOLS, "tool_choice": "required",
+                    "messages": [{"role": "user", "content": "Weather in Paris?"}],
+                    "max_tokens": 96, "temperature": 0, "pdmesh_path": path}
+            async with http.post(url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                out.append((await r.json())["choices"][0])
+    return out

@@ -309,3 +309,18 @@ def test_speculative_greedy_output_equals_plain_on_every_architecture(case):
     want = [o["token_ids"] for o in plain.generate(prompts, sp)]
     assert [o["token_ids"] for o in spec.generate(prompts, sp)] == want, name
     assert spec.counters["spec_proposed"] > 0, name
+
+
+def test_stop_ids_past_the_vocabulary_are_refused_at_load(tmp_path, tiny_target):
+    """GLM-4's config says eos_token_id [151329, ...]; with a smaller vocabulary (here the
+    tiny tokenizer's 8192) no such token exists: refused by name at load, not an
+    IndexError in the grammar's stop mask at the first tool_choice request."""
+    import shutil
+
+    path = checkpoint(tmp_path / "m", "Glm4Config", vocab_size=8192, head_dim=16,
+                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_target / f, path / f)
+    with pytest.raises(CheckpointError, match=r"eos_token_id \[151329, 151336, 151338\] "
+                                              r"outside the model's vocabulary \(8192"):
+        LLMEngine(EngineConfig(model=str(path), num_blocks=16, block_size=8))

@@ -132,7 +132,7 @@ ARCHS = {       # tests/engine/test_archs.py's shapes, with the contexts' vocabu
                                     attn_logit_softcapping=1.5, final_logit_softcapping=4.0,
                                     pad_token_id=0)),
     "glm4": ("Glm4Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                attention_bias=True, pad_token_id=0)),
+                                attention_bias=True, pad_token_id=0, eos_token_id=0)),
     "qwen3_moe": ("Qwen3MoeConfig", dict(num_attention_heads=4, num_key_value_heads=2,
                                          head_dim=16, num_experts=8, num_experts_per_tok=2,
                                          moe_intermediate_size=32, norm_topk_prob=True)),
