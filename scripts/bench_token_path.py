@@ -25,11 +25,7 @@ import argparse
 import asyncio
 import json
 import os
-import re
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -38,7 +34,7 @@ from pathlib import Path
 import aiohttp
 import torch
 
-from pdmesh.bench.http import wait_http
+from pdmesh.bench.http import start_up, stop, timed_stream
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -170,49 +166,19 @@ def threads_part(model: str, tokens: int, rounds: int) -> dict:
     return {f"threads_{n}_s_per_token": statistics.median(v) for n, v in got.items()}
 
 
-def up(logfile: Path) -> tuple[subprocess.Popen, str]:
-    out = open(logfile, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "pdmesh", "up", "--port", "0",
-                             "--no-speculation"], cwd=ROOT, stdout=out,
-                            stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 600
-    while True:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"pdmesh up did not start:\n{logfile.read_text()[-3000:]}")
-        m = re.search(r"pdmesh is up: (http://\S+)", logfile.read_text())
-        if m:
-            return proc, m.group(1)
-        time.sleep(0.5)
-
-
 async def stream_once(url: str, prompt: str, tokens: int) -> tuple[float, list[float]]:
     body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True}
-    gaps, ttft, last = [], None, None
+            "temperature": 0, "ignore_eos": True}
     async with aiohttp.ClientSession() as http:
-        t0 = time.perf_counter()
-        async with http.post(url + "/v1/completions", json=body) as r:
-            assert r.status == 200, await r.text()
-            async for raw in r.content:
-                line = raw.decode().strip()
-                if not line.startswith("data: {"):
-                    continue
-                if not json.loads(line[6:])["choices"][0].get("text"):
-                    continue
-                now = time.perf_counter()
-                if ttft is None:
-                    ttft = now - t0
-                else:
-                    gaps.append(now - last)
-                last = now
-    return ttft, gaps
+        got = await timed_stream(http, url, body)
+    assert got["ttft_s"] is not None and not got["error"], got
+    return got["ttft_s"], got["gaps_s"]
 
 
 def mesh_part(prompt: str, tokens: int, rounds: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        proc, url = up(Path(tmp) / "up.log")
+        proc, url = start_up(["--no-speculation"], Path(tmp) / "up.log")
         try:
-            wait_http(url)
             asyncio.run(stream_once(url, prompt, 8))          # warm
             ttfts, gaps = [], []
             for r in range(rounds):
@@ -222,11 +188,7 @@ def mesh_part(prompt: str, tokens: int, rounds: int) -> dict:
                 log(f"  mesh round {r + 1}/{rounds}: TTFT {ttft * 1e3:.1f} ms, gap p50 "
                     f"{statistics.median(g) * 1e3:.2f} ms")
         finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop(proc)
     gaps.sort()
     return {"ttft_s": statistics.median(ttfts), "gap_p50_s": statistics.median(gaps),
             "gap_p90_s": gaps[int(0.9 * (len(gaps) - 1))], "gaps": len(gaps)}

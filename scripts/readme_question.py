@@ -22,14 +22,13 @@ import asyncio
 import json
 import os
 import re
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
+
+from pdmesh.bench.http import start_up, stop
 
 ROOT = Path(__file__).resolve().parents[1]
 BODY = {"model": "SmolLM2-135M-Instruct",
@@ -38,20 +37,6 @@ BODY = {"model": "SmolLM2-135M-Instruct",
 
 def log(msg: str) -> None:
     print(f"[readme_question {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def up(extra: list[str], logfile: Path) -> tuple[subprocess.Popen, str]:
-    out = open(logfile, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "pdmesh", "up", "--port", "0", *extra],
-                            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 600
-    while True:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"pdmesh up did not start:\n{logfile.read_text()[-3000:]}")
-        m = re.search(r"pdmesh is up: (http://\S+)", logfile.read_text())
-        if m:
-            return proc, m.group(1)
-        time.sleep(0.5)
 
 
 async def ask_all(url: str, runs: int, concurrency: int) -> list[dict]:
@@ -160,7 +145,7 @@ def main() -> int:
         for name, extra in (("defaults", []),
                             ("monitor_off", ["--set", "decode.monitor=false"])):
             log(f"{name}: pdmesh up {' '.join(extra)}")
-            proc, url = up(extra, Path(tmp) / f"{name}.log")
+            proc, url = start_up(extra, Path(tmp) / f"{name}.log")
             try:
                 if name == "defaults":
                     res["first_token"] = {"served": asyncio.run(served_first_token(url))}
@@ -175,11 +160,7 @@ def main() -> int:
                                       "anomaly_aborts": asyncio.run(anomalies(url)),
                                       "answers": answers}
             finally:
-                proc.send_signal(signal.SIGINT)
-                try:
-                    proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+                stop(proc)
             log(f"{name}: {res['modes'][name]['summary']} anomaly aborts "
                 f"{res['modes'][name]['anomaly_aborts']}")
     out.mkdir(parents=True, exist_ok=True)
