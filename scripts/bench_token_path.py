@@ -100,7 +100,6 @@ def engine_part(model: str, tokens: int, rounds: int, profile_steps: int) -> dic
     t.wrap(engine_mod, "build_batch", "batch build")
     t.wrap(OutputProcessor, "process", "detokenize + stop checks")
     t.wrap(eng.model, "forward", "forward")
-    t.wrap(eng.scheduler, "schedule", "schedule")
     sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     eng.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     t.take()                                      # (warm: the first forwards are slower)
@@ -133,7 +132,7 @@ def engine_part(model: str, tokens: int, rounds: int, profile_steps: int) -> dic
     top = sorted(by_op.items(), key=lambda kv: -kv[1])[:12]
     med = {k: statistics.median(s.get(k, 0.0) for s in steps)
            for k in ("step", "forward", "sampling", "detokenize + stop checks",
-                     "batch build", "schedule")}
+                     "batch build")}
     med["rest of the step"] = med["step"] - sum(v for k, v in med.items() if k != "step")
     return {"prompt_tokens": len(prompt), "decode_steps": len(steps),
             "prefill_step_s": statistics.median(prefill_s),
