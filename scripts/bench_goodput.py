@@ -14,7 +14,8 @@ same host, the same requests in the same order at the same arrival times.
             --attainment (90%) of requests meet it (DistServe's definition); p99 TTFT and
             p99 ITL over all requests are reported beside it
   servers   `pdmesh up` at its defaults (PD: one prefill, one decode), `pdmesh up --mode
-            colocated`, and llama-server (-t 2 -np 8 -c 65536: 8,192 tokens per slot) on
+            colocated`, `pdmesh up` with prompts under --pd-from tokens prefilled on decode
+            (decode.min_pd_prompt_tokens), and llama-server (-t 2 -np 8 -c 65536: 8,192 tokens per slot) on
             the bundled GGUF when --llama-server names its binary
 
     python scripts/bench_goodput.py [--llama-server PATH] [--rates 0.5 1 2 4]
@@ -119,13 +120,16 @@ def servers(args) -> list[tuple[str, list[str], str | None, str]]:
     """(name, argv, its URL (None: pdmesh up's, from its log), model name)."""
     up = [sys.executable, "-m", "pdmesh", "up", "--port", "0"]
     out = [("pdmesh PD", up, None, "SmolLM2-135M-Instruct"),
-           ("pdmesh colocated", up + ["--mode", "colocated"], None, "SmolLM2-135M-Instruct")]
+           ("pdmesh colocated", up + ["--mode", "colocated"], None, "SmolLM2-135M-Instruct"),
+           (f"pdmesh PD from {args.pd_from} tokens",
+            up + ["--set", f"decode.min_pd_prompt_tokens={args.pd_from}"], None,
+            "SmolLM2-135M-Instruct")]
     if args.llama_server:
         from shared.engine.gguf_convert import find_gguf
         out.append(("llama-server", [args.llama_server, "-m", str(find_gguf()), "--port",
                                      "8091", "-np", "8", "-c", "65536", "-t", "2"],
                     "http://127.0.0.1:8091", "smollm2"))
-    return out
+    return [x for x in out if not args.servers or x[0] in args.servers]
 
 
 def plot(res: dict, path: Path) -> None:
@@ -164,6 +168,10 @@ def main() -> int:
     ap.add_argument("--ttft-slo", type=float, default=1.0)
     ap.add_argument("--itl-slo", type=float, default=0.1)
     ap.add_argument("--attainment", type=float, default=0.9)
+    ap.add_argument("--pd-from", type=int, default=1000,
+                    help="the third pdmesh: prompts shorter than this prefilled on decode")
+    ap.add_argument("--servers", nargs="*", default=[],
+                    help="only these (by name); the others' results already in the JSON stay")
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench"))
     a = ap.parse_args()
     from shared.engine.gguf_convert import convert, default_model_dir
@@ -175,6 +183,10 @@ def main() -> int:
     res = {"rates": a.rates, "requests_per_rate": a.requests, "long_share": a.long_share,
            "ttft_slo_s": a.ttft_slo, "itl_slo_s": a.itl_slo, "attainment_target": a.attainment,
            "cpu_count": os.cpu_count(), "servers": {}, "goodput": {}}
+    old = Path(a.out) / "goodput.json"
+    if a.servers and old.is_file():
+        kept = json.loads(old.read_text())
+        res["servers"], res["goodput"] = kept["servers"], kept["goodput"]
     with tempfile.TemporaryDirectory() as tmp:
         for name, argv, url, model in servers(a):
             log(f"{name}: {' '.join(argv[:6])} ...")

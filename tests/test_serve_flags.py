@@ -26,10 +26,13 @@ def pdmesh(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
+SHORT_LOCAL = {"min_pd_prompt_tokens": 1000}     # prompts under 1000 tokens prefill on decode
+
+
 def test_bare_up_runs_the_fast_configuration():
     kw = kwargs("up")
     assert kw["threads"] == "auto"
-    assert kw["overrides"] == {"decode": {"quantize": "int4", "head_split": True} | SPECULATION,
+    assert kw["overrides"] == {"decode": {"quantize": "int4", "head_split": True} | SPECULATION | SHORT_LOCAL,
                                "prefill": {"quantize": "int4"}}
     assert kwargs("serve") == kw
     c = Cluster(**(kw | {"model": "unused", "echo": False}))   # argv only, not started
@@ -37,18 +40,22 @@ def test_bare_up_runs_the_fast_configuration():
     assert argv[argv.index("--quantize") + 1] == "int4" and "--head-split" in argv
     assert argv[argv.index("--spec-method") + 1] == "ngram"
     assert argv[argv.index("--spec-max-batch") + 1] == "2"
+    assert argv[argv.index("--min-pd-prompt-tokens") + 1] == "1000"
     assert kwargs("up", "--no-speculation")["overrides"]["decode"] == {"quantize": "int4",
-                                                                     "head_split": True}
+                                                                     "head_split": True} \
+        | SHORT_LOCAL
+    assert kwargs("up", "--min-pd-prompt-tokens", "0")["overrides"]["decode"][
+        "min_pd_prompt_tokens"] == 0
     assert "--act-int8" not in argv and "--smoothquant" not in argv
 
 
 def test_quantization_none_is_the_unquantized_dtype():
     o = kwargs("up", "--quantization", "none")["overrides"]
-    assert o == {"decode": {"quantize": "", "head_split": False} | SPECULATION,
+    assert o == {"decode": {"quantize": "", "head_split": False} | SPECULATION | SHORT_LOCAL,
                  "prefill": {"quantize": ""}}
     o = kwargs("up", "--act-int8", "--dtype", "float32")["overrides"]
     assert o["decode"] == {"quantize": "int4", "head_split": True, "act_int8": True,
-                           "smoothquant": True, "dtype": "float32"} | SPECULATION
+                           "smoothquant": True, "dtype": "float32"} | SPECULATION | SHORT_LOCAL
 
 
 def test_serve_takes_vllm_flags_and_the_command_line_wins_over_the_file(tmp_path):
@@ -64,7 +71,7 @@ def test_serve_takes_vllm_flags_and_the_command_line_wins_over_the_file(tmp_path
     assert kw["overrides"] == {
         "gateway": {"api_key": "a,b", "served_model_name": "tiny", "max_model_len": 512},
         "decode": {"max_model_len": 512, "quantize": "", "head_split": False,
-                   "num_blocks": 64, "prefix_cache": False} | SPECULATION,
+                   "num_blocks": 64, "prefix_cache": False} | SPECULATION | SHORT_LOCAL,
         "prefill": {"max_model_len": 512, "quantize": "", "prefix_cache": False}}
     # the file's service tables win over the defaults; --set over everything
     o = kwargs("serve", "--config", str(f), "--set", "decode.num_blocks=8")["overrides"]

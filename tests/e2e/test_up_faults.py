@@ -21,6 +21,9 @@ from tests.conftest import TINY_TARGET
 MAX_TOKENS = 48
 FLAGS = ("--model", str(TINY_TARGET), "--prefill", "2", "--decode", "2", "--nats-cluster", "3",
          "--deterministic", "--dtype", "float32",
+         # every prompt through prefill (the tiny prompts are under the default 1000): the
+         # faults under test are those of the PD path
+         "--min-pd-prompt-tokens", "0",
          # a draining decode hands every request on at once: a rolling restart migrates them
          "--set", "decode.drain_timeout_s=0",
          # slow KV writes, so that a prefill can be caught with writes on the wire

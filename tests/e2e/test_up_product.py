@@ -167,7 +167,7 @@ def test_every_service_is_federated_with_its_pd_series_and_counters_only_go_up(u
     m, _ = up
     before = run(up, scrape_mesh(m))
     for i in range(3):
-        chat = {"model": "tiny", "max_tokens": 6,
+        chat = {"model": "tiny", "max_tokens": 6, "pdmesh_path": "pd",   # (short: colocated)
                 "messages": [{"role": "user", "content": f"item {i}: " + "data " * 30}]}
         status, body = run(up, _get(m.url + "/v1/chat/completions", KEY, chat))
         assert status == 200, body
