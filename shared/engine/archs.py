@@ -25,6 +25,14 @@ class Arch:
     #                            sqrt(hidden); the MLP's activation is hidden_activation
     moe: bool = False          # sparse layers: a router picks num_experts_per_tok experts
     #                            per token (Qwen3-MoE: softmax, top-k, norm_topk_prob)
+    expert_width: str = "moe_intermediate_size"    # the config field sizing an expert
+    renormalise: bool = False  # top-k routing weights always sum to 1 (Mixtral)
+    # checkpoint tensor names -> the forward's (substring rewrites, in order)
+    names: tuple = ()
+
+
+MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.weight", ".gate_proj.weight"),
+                 (".w3.weight", ".up_proj.weight"), (".w2.weight", ".down_proj.weight"))
 
 
 GLM4_NORMS = ("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm",
@@ -46,7 +54,19 @@ ARCHS: dict[str, Arch] = {
     # + q/k norm, a RoPE base per layer type
     "Gemma3ForCausalLM": Arch(norms=GEMMA_NORMS, gemma=True, qk_norm=True),
     "Qwen3MoeForCausalLM": Arch(qk_norm=True, moe=True),
+    # every layer sparse, experts of intermediate_size, top-k renormalised; Mistral's window
+    "MixtralForCausalLM": Arch(moe=True, expert_width="intermediate_size", renormalise=True,
+                               names=MIXTRAL_NAMES),
 }
+
+
+def canonical_name(name: str, arch: Arch) -> str:
+    """A checkpoint's tensor name as the forward reads it (Mixtral's block_sparse_moe and
+    w1/w3/w2 are the gate/up/down of mlp.experts)."""
+    if ".experts." in name or ".block_sparse_moe." in name:
+        for old, new in arch.names:
+            name = name.replace(old, new)
+    return name
 # the activations the MLP computes (transformers' ACT2FN names), as torch's gelu calls them
 ACTIVATIONS = {"silu": None, "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu": "none"}
 

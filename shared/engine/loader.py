@@ -19,6 +19,7 @@ from safetensors import safe_open
 from .archs import (
     ARCHS,
     activation,
+    canonical_name,
     context_window,
     layer_windows,
     moe_layers,
@@ -146,8 +147,8 @@ def load_config(path: str | Path) -> ModelConfig:
         num_experts=int(d.get("num_experts") or d.get("num_local_experts") or 0)
         if spec.moe else 0,
         experts_per_tok=int(d.get("num_experts_per_tok") or 0) if spec.moe else 0,
-        moe_intermediate_size=int(d.get("moe_intermediate_size") or 0) if spec.moe else 0,
-        norm_topk_prob=bool(d.get("norm_topk_prob")),
+        moe_intermediate_size=int(d.get(spec.expert_width) or 0) if spec.moe else 0,
+        norm_topk_prob=spec.renormalise or bool(d.get("norm_topk_prob")),
     )
 
 
@@ -231,15 +232,18 @@ def load_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
                  device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     path = Path(path)
     files = _weight_files(path)
+    spec = cfg.arch or ARCHS[cfg.architecture]
     want = expected_shapes(cfg, fused_experts=bool(cfg.moe_layers) and any(
-        n.endswith("mlp.experts.gate_up_proj") for f in files for n in _names(f)))
+        canonical_name(n, spec).endswith("mlp.experts.gate_up_proj")
+        for f in files for n in _names(f)))
     got: dict[str, torch.Tensor] = {}
     unread: list[str] = []
     for f in files:
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
-                if name in want:
-                    got[name] = st.get_tensor(name).to(device=device, dtype=dtype)
+                key = canonical_name(name, spec)
+                if key in want:
+                    got[key] = st.get_tensor(name).to(device=device, dtype=dtype)
                 elif not name.endswith(IGNORED_SUFFIXES) and not (
                         cfg.tie_word_embeddings and name == "lm_head.weight"):
                     unread.append(name)

@@ -1,7 +1,8 @@
 """Architectures other than Llama over the whole mesh: tiny random GLM-4 (partial
 interleaved RoPE, post-norms, q/k/v biases, fused gate|up; the family of the deployments
-this project exists to fix) and Gemma 2 (local/global layers with a window the prompts
-pass, soft-capped scores and logits) and Qwen3-MoE (8 experts, top 2) checkpoints, written by transformers' own classes with
+this project exists to fix), Gemma 2 (local/global layers with a window the prompts
+pass, soft-capped scores and logits), Qwen3-MoE (8 experts, top 2) and Mixtral (every layer
+sparse, a sliding window) checkpoints, written by transformers' own classes with
 the tiny model's tokenizer beside them. PD == colocated == the engine alone, token for token
 (deterministic mode), greedy and seeded sampling: the KV wire's shapes come from the config,
 and prefill's KV is the KV decode would have computed. tool_choice "required" gives the
@@ -31,6 +32,8 @@ SHAPES = {
                                     attn_logit_softcapping=1.5, final_logit_softcapping=4.0)),
     "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=16, num_experts=8, num_experts_per_tok=2,
                                          moe_intermediate_size=32, norm_topk_prob=True)),
+    "mixtral": ("MixtralConfig", dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                      intermediate_size=32, sliding_window=4)),
 }
 
 

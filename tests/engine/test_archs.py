@@ -90,6 +90,11 @@ CASES = {
                          "full_attention": {"rope_type": "default", "rope_theta": 1e6}})),
     # 8 experts, top 2 renormalised, layer 1 dense (mlp_only_layers); q/k norm; GQA 2
     "qwen3_moe": ("Qwen3MoeConfig", MOE),
+    # every layer sparse, saved as block_sparse_moe.experts.N.w1/w3/w2, experts of
+    # intermediate_size, top 2 always renormalised, a sliding window the prompts pass
+    "mixtral": ("MixtralConfig", dict(num_attention_heads=4, num_key_value_heads=2,
+                                      num_local_experts=4, num_experts_per_tok=2,
+                                      intermediate_size=32, sliding_window=8)),
 }
 
 
@@ -131,8 +136,7 @@ def test_a_sliding_window_is_honoured_past_the_window(tmp_path):
 @pytest.mark.parametrize("cls,fields,named", [
     ("LlamaConfig", dict(mlp_bias=True), "mlp_bias"),
     ("LlamaConfig", dict(hidden_act="relu"), "hidden_act"),
-    ("MixtralConfig", dict(num_attention_heads=4, num_key_value_heads=2,
-                           num_local_experts=4, num_experts_per_tok=2),
+    ("OlmoConfig", dict(num_attention_heads=4, num_key_value_heads=2),
      "unsupported architecture"),
     ("Gemma3TextConfig", dict(head_dim=16, use_bidirectional_attention=True),
      "use_bidirectional_attention"),
