@@ -38,6 +38,7 @@ from pathlib import Path
 import aiohttp
 
 from pdmesh.bench.http import start, stop, timed_stream
+from pdmesh.bench.report import save
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPICS = ["the tides", "binary search", "photosynthesis", "the French revolution",
@@ -208,11 +209,8 @@ def main() -> int:
                    if s["attainment"] >= a.attainment]
             res["goodput"][name] = max(met) if met else 0.0
             log(f"{name}: goodput {res['goodput'][name]} req/s")
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "goodput.json").write_text(json.dumps(res, indent=2) + "\n")
-    plot(res, out / "goodput.png")
-    log(f"goodput {res['goodput']}; wrote {out / 'goodput.json'} and .png")
+    path = save(res, a.out, "goodput", plot)
+    log(f"goodput {res['goodput']}; wrote {path}.json and .png")
     return 0
 
 

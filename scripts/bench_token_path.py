@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import tempfile
@@ -35,6 +34,7 @@ import aiohttp
 import torch
 
 from pdmesh.bench.http import start_up, stop, timed_stream
+from pdmesh.bench.report import save
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -253,15 +253,12 @@ def main() -> int:
            "token_mesh_s": mesh["gap_p50_s"] - eng["step_s"]["step"],
            "first_token_mesh_s": mesh["ttft_s"] - eng["prefill_step_s"]}
     res["token_mesh_share"] = res["token_mesh_s"] / mesh["gap_p50_s"]
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "token_path.json").write_text(json.dumps(res, indent=2) + "\n")
-    plot(res, out / "token_path.png")
+    path = save(res, a.out, "token_path", plot)
     log(f"one token: engine step {eng['step_s']['step'] * 1e3:.2f} ms, client gap "
         f"{mesh['gap_p50_s'] * 1e3:.2f} ms, mesh {res['token_mesh_s'] * 1e3:.2f} ms "
         f"({res['token_mesh_share']:.0%}); first token: prefill "
         f"{eng['prefill_step_s'] * 1e3:.1f} ms, TTFT {mesh['ttft_s'] * 1e3:.1f} ms")
-    log(f"wrote {out / 'token_path.json'} and .png")
+    log(f"wrote {path}.json and .png")
     return 0
 
 

@@ -61,6 +61,14 @@ class Finish:
 Event = Piece | Call | Finish
 
 
+def shown(e: Event, return_token_ids: bool) -> bool:
+    """Whether a renderer writes e: a Piece with text, logprobs or (when asked for) token
+    ids, any Call; the Finish is written but shows no content."""
+    if isinstance(e, Piece):
+        return bool(e.text or e.logprobs or (return_token_ids and e.token_ids))
+    return isinstance(e, Call)
+
+
 class Answer:
     """What has come back so far: text, token counts, logprobs, finish; feeds the metrics.
     restart() forgets it all for a re-dispatch."""
@@ -127,10 +135,7 @@ class Answer:
 
     def shows(self, e: Event) -> bool:
         """Whether a renderer writes e (what makes a streamed answer `sent`)."""
-        if isinstance(e, Piece):
-            return bool(e.text or e.logprobs
-                        or (self.prep.options.return_token_ids and e.token_ids))
-        return isinstance(e, Call)
+        return shown(e, self.prep.options.return_token_ids)
 
     @property
     def text(self) -> str:

@@ -21,7 +21,7 @@ from shared.toolcalls import Call, openai_deltas
 
 from . import access, protocol as P
 from .aborting import AbortOnExit, fail_stream
-from .answer import REPETITION, Answer, Event, Piece, drain, events
+from .answer import REPETITION, Answer, Event, Piece, drain, events, shown
 from .dispatch import DecodeClient, Dispatch
 from .metrics import Metrics
 from .protocol import OpenAIError
@@ -115,8 +115,8 @@ class SseStream:
     async def event(self, e: Event, index: int = 0) -> None:
         o = self.o
         if isinstance(e, Piece):
-            ids = e.token_ids if o.return_token_ids else None
-            if e.text or e.logprobs or ids:
+            if shown(e, o.return_token_ids):
+                ids = e.token_ids if o.return_token_ids else None
                 delta = ({"content": e.text} if e.text or e.logprobs else {}) if o.chat else e.text
                 await self.resp.write(self.chunk(index, delta, lp=e.logprobs, ids=ids))
         elif isinstance(e, Call):
