@@ -70,9 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="render the prompt as a user turn with the chat template (default)")
     gen.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
                      default="auto", help="auto: bfloat16, as the services (default: auto)")
-    gen.add_argument("--quantization", choices=("none", "int8", "int4"), default="int4",
-                     help="weights of the linear layers, as `pdmesh serve --help` says "
-                          "(default: int4)")
+    gen.add_argument("--quantization", choices=("auto", "none", "int8", "int4"),
+                     default="auto", help="weights of the linear layers, as `pdmesh serve "
+                     "--help` says (default: auto: a GGUF's own precision, else int4)")
     gen.add_argument("--threads", type=int, default=0,
                      help="torch threads (default: 0, torch's own)")
     gen.set_defaults(func=cmd_generate)

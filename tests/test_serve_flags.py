@@ -32,16 +32,16 @@ SHORT_LOCAL = {"min_pd_prompt_tokens": 1000}     # prompts under 1000 tokens pre
 def test_bare_up_runs_the_fast_configuration():
     kw = kwargs("up")
     assert kw["threads"] == "auto"
-    assert kw["overrides"] == {"decode": {"quantize": "int4", "head_split": True} | SPECULATION | SHORT_LOCAL,
-                               "prefill": {"quantize": "int4"}}
+    assert kw["overrides"] == {"decode": {"quantize": "auto", "head_split": True} | SPECULATION | SHORT_LOCAL,
+                               "prefill": {"quantize": "auto"}}
     assert kwargs("serve") == kw
     c = Cluster(**(kw | {"model": "unused", "echo": False}))   # argv only, not started
     argv = c._new_proc("decode").argv
-    assert argv[argv.index("--quantize") + 1] == "int4" and "--head-split" in argv
+    assert argv[argv.index("--quantize") + 1] == "auto" and "--head-split" in argv
     assert argv[argv.index("--spec-method") + 1] == "ngram"
     assert argv[argv.index("--spec-max-batch") + 1] == "2"
     assert argv[argv.index("--min-pd-prompt-tokens") + 1] == "1000"
-    assert kwargs("up", "--no-speculation")["overrides"]["decode"] == {"quantize": "int4",
+    assert kwargs("up", "--no-speculation")["overrides"]["decode"] == {"quantize": "auto",
                                                                      "head_split": True} \
         | SHORT_LOCAL
     assert kwargs("up", "--min-pd-prompt-tokens", "0")["overrides"]["decode"][
@@ -54,7 +54,7 @@ def test_quantization_none_is_the_unquantized_dtype():
     assert o == {"decode": {"quantize": "", "head_split": False} | SPECULATION | SHORT_LOCAL,
                  "prefill": {"quantize": ""}}
     o = kwargs("up", "--act-int8", "--dtype", "float32")["overrides"]
-    assert o["decode"] == {"quantize": "int4", "head_split": True, "act_int8": True,
+    assert o["decode"] == {"quantize": "auto", "head_split": True, "act_int8": True,
                            "smoothquant": True, "dtype": "float32"} | SPECULATION | SHORT_LOCAL
 
 
@@ -75,7 +75,7 @@ def test_serve_takes_vllm_flags_and_the_command_line_wins_over_the_file(tmp_path
         "prefill": {"max_model_len": 512, "quantize": "", "prefix_cache": False}}
     # the file's service tables win over the defaults; --set over everything
     o = kwargs("serve", "--config", str(f), "--set", "decode.num_blocks=8")["overrides"]
-    assert o["decode"]["quantize"] == "int8" and o["prefill"]["quantize"] == "int4"
+    assert o["decode"]["quantize"] == "int8" and o["prefill"]["quantize"] == "auto"
     assert o["decode"]["num_blocks"] == "8" and o["gateway"]["max_model_len"] == 999
 
 
@@ -129,5 +129,6 @@ def test_config_lists_every_field_with_its_default_and_no_fault(capsys):
 
 
 def test_help_shows_defaults():
-    out = pdmesh("serve", "--help").stdout
-    assert "(default: int4)" in out and "14.74 (+0.24%)" in out and "(default: auto)" in out
+    out = " ".join(pdmesh("serve", "--help").stdout.split())      # as wrapped at any width
+    assert "int4 14.74 (+0.24%)" in out and "(a GGUF file keeps its own precision" in out
+    assert "{auto,none,int8,int4} weights of decode's" in out and "(default: auto)" in out

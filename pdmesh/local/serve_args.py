@@ -27,7 +27,7 @@ DEFAULTS: dict[str, Any] = dict(
     model=None, prefill=1, decode=1, prefill_group=0, host="127.0.0.1", port=8000,
     nats_port=0, nats_http_port=None, nats_host="127.0.0.1", nats_cluster=1, nats_auth=True,
     tls=False,
-    served_model_name=None, max_model_len=None, dtype="auto", quantization="int4",
+    served_model_name=None, max_model_len=None, dtype="auto", quantization="auto",
     act_int8=False, chat_template=None, tool_call_parser="auto", enable_prefix_caching=None,
     api_key=None, deterministic=None, mode=None, speculation=True, threads="auto",
     min_pd_prompt_tokens=1000,
@@ -36,7 +36,9 @@ DEFAULTS: dict[str, Any] = dict(
     restart_window=60.0)
 
 QUANTIZATION_HELP = (
-    "weights of decode's and prefill's linear layers: int4 (groups of 32; a layer whose "
+    "weights of decode's and prefill's linear layers: auto (a GGUF file keeps its own "
+    "precision: Q4_x int4 on the file's own grid, Q5-Q8 int8, F16/BF16/F32 none; any other "
+    "model int4), int4 (groups of 32; a layer whose "
     "width is not a multiple of 32, and the LM head, stay int8; decode also multiplies the "
     "head's two halves on two threads, head_split, which leaves the logits as they are), "
     "int8, or none (the --dtype weights). Perplexity of SmolLM2-135M-Instruct on held-out "
@@ -45,7 +47,8 @@ QUANTIZATION_HELP = (
 DESCRIPTION = (
     "Run the whole mesh on this machine: nats-server, kvstore, prefill, decode and the "
     "OpenAI-compatible gateway. Without tuning flags it runs the fast configuration: int4 "
-    "weights (perplexity within 1%% of bfloat16), decode's LM head on two threads, "
+    "weights (perplexity within 1%% of bfloat16; a GGUF keeps its own precision), decode's "
+    "LM head on two threads, "
     "--threads auto. A setting comes from, strongest first: --set, a flag, the --config "
     "file's service tables, its [serve] table, the default shown.")
 ACT_INT8_HELP = (
@@ -113,7 +116,8 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
     _add(model, "--dtype", choices=("auto", "float32", "bfloat16", "float16"),
          help="decode's and prefill's weights and activations; auto: the services' default, "
               "bfloat16")
-    _add(model, "--quantization", choices=("none", "int8", "int4"), help=QUANTIZATION_HELP)
+    _add(model, "--quantization", choices=("auto", "none", "int8", "int4"),
+         help=QUANTIZATION_HELP)
     _add(model, "--act-int8", action="store_true", shown="off", help=ACT_INT8_HELP)
     _add(model, "--chat-template", metavar="FILE", shown="the model's",
          help="a Jinja chat template that replaces the model's (the gateway renders chats)")
@@ -256,7 +260,7 @@ def cluster_kwargs(args) -> dict[str, Any]:
     given, from_file, services = args.layers
     v = {k: getattr(args, k) for k in DEFAULTS}
     if v["act_int8"] and v["quantization"] == "none":
-        raise ValueError("--act-int8 needs --quantization int8 or int4")
+        raise ValueError("--act-int8 needs --quantization auto, int8 or int4")
     if v["chat_template"] and not Path(v["chat_template"]).is_file():
         raise ValueError(f"--chat-template {v['chat_template']}: no such file")
     overrides = merge(_settings(v, DEFAULTS.keys() - given - from_file),

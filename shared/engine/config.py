@@ -39,7 +39,9 @@ class EngineConfig:
     device: str = field(default="cpu", metadata=_h(
         "cpu | cuda | cuda:N: where the weights, the KV pool and the forward live"))
     quantize: str = field(default="", metadata=_h(
-        "weight-only quantization of the linear layers: '' (none) | int8 | int4"))
+        "weight-only quantization of the linear layers: '' (none) | int8 | int4 | auto "
+        "(a GGUF's own precision: Q4_x int4, Q5-Q8 int8, F16/BF16/F32 none; int4 for any "
+        "other folder)"))
     act_int8: bool = field(default=False, metadata=_h(
         "with quantize: forwards of 6 rows or more (prefill, batched decode) multiply the "
         "attention output, gate|up and the LM head on int8 activations too (W8A8 on int8 "
@@ -84,8 +86,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
-        if self.quantize not in MODES:
-            raise ValueError(f"quantize must be '', 'int8' or 'int4', got {self.quantize!r}")
+        if self.quantize not in (*MODES, "auto"):
+            raise ValueError(f"quantize must be '', 'int8', 'int4' or 'auto', "
+                             f"got {self.quantize!r}")
         if self.smoothquant and not (self.quantize and self.act_int8):
             raise ValueError("smoothquant needs quantize (int8 or int4) and act_int8")
         if self.draft_quantize not in (*MODES, "none"):
@@ -110,6 +113,14 @@ class EngineConfig:
         if self.speculative and self.num_speculative_tokens >= self.max_num_batched_tokens:
             raise ValueError("num_speculative_tokens must be < max_num_batched_tokens "
                              "(a decode step verifies 1 + num_speculative_tokens rows)")
+
+    def with_quantize(self, mode: str) -> EngineConfig:
+        """This config with quantize resolved to mode ('' drops what needs quantize:
+        act_int8, smoothquant, head_split)."""
+        from dataclasses import replace
+        if mode:
+            return replace(self, quantize=mode)
+        return replace(self, quantize="", act_int8=False, smoothquant=False, head_split=False)
 
     @property
     def speculative(self) -> bool:

@@ -51,7 +51,7 @@ from .layer_load import LayerLoad, LoadFailed
 from .limits import check_request
 from .loader import check_stop_ids, draft_config, load_config
 from .model import kv_block_bytes, kv_pool, load_model
-from .model_path import resolve
+from .model_path import auto_quantize, resolve
 from .output import OutputProcessor, RequestOutput
 from .prefix import prefix_salt
 from .prefix_cache import PrefixCache
@@ -82,8 +82,10 @@ class LLMEngine:
         (no text, no stop strings); or pass a shared Tokenizer."""
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        self.cfg = cfg
         folder = resolve(cfg.model)          # a folder, or a Hub id in the local cache
+        if cfg.quantize == "auto":
+            cfg = cfg.with_quantize(auto_quantize(folder))
+        self.cfg = cfg
         self.model_cfg = mc = load_config(folder)
         if tokenizer == "auto":
             from .tokenizer import Tokenizer

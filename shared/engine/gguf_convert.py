@@ -13,7 +13,10 @@ transformers dequantizes every tensor (Q4_0 / Q4_1 / Q8_0 / ... -> float) and un
 llama.cpp's q/k row permutation; we save the result as safetensors (float32 when every
 tensor of the file is F32, so nothing is rounded; else bfloat16) together with the
 tokenizer (tokenizer.json, chat_template.jinja, special tokens) the GGUF's metadata
-carries. The engine then quantizes as its settings say (int4 by default). The folder is
+carries. The engine then quantizes as its settings say; `pdmesh up`'s default
+(`--quantization auto`) keeps the file's own precision: the marker records it (Q4_x -> int4,
+whose groups of 32 re-find the Q4_0 / Q4_1 grids exactly, quant.int4_codes; Q5-Q8 -> int8;
+F16/BF16/F32 -> unquantized). The folder is
 complete once `MARKER` is written (last, after every other file), and holds the source
 GGUF's sha256, size and mtime, so a second run is a no-op and a different GGUF triggers a
 fresh conversion.
@@ -93,6 +96,8 @@ def is_converted(out_dir: Path, identity: dict | None, gguf_path: Path | None = 
                                                                          st.st_mtime_ns)
     else:
         same_source = all(recorded.get(k) == identity[k] for k in ("size", "sha256"))
+    if "quantization" not in recorded:     # converted before the file's precision was kept
+        return False
     return same_source and all((out_dir / name).is_file() for name in recorded.get("files", []))
 
 
@@ -160,7 +165,8 @@ def convert(out_dir: str | os.PathLike, gguf_path: str | os.PathLike | None = No
         for name in files:
             (tmp_dir / name).chmod(0o644)  # safetensors writes 0600
             os.replace(tmp_dir / name, out_dir / name)
-    (out_dir / MARKER).write_text(json.dumps({**identity, "files": files}, indent=2) + "\n")
+    (out_dir / MARKER).write_text(json.dumps(
+        {**identity, "files": files, "quantization": meta["quantization"]}, indent=2) + "\n")
     size = sum((out_dir / name).stat().st_size for name in files)
     print(f"[gguf_convert] done in {time.perf_counter() - t0:.1f}s, {size / 2**20:.0f} MiB in "
           f"{out_dir}")
@@ -193,9 +199,41 @@ def read_metadata(gguf_path: Path) -> dict:
     if sampling.get("temperature"):
         sampling["do_sample"] = True
     arch = value("general.architecture")
+    layer_elements: dict[str, int] = {}
+    for t in r.tensors:        # the layers' matrices (not norms, embeddings or the head)
+        if t.name.startswith("blk.") and len(t.shape) >= 2:
+            name = t.tensor_type.name
+            layer_elements[name] = layer_elements.get(name, 0) + int(t.n_elements)
     return {"name": value("general.name"), "architecture": arch,
             "head_dim": value(f"{arch}.attention.key_length"),
-            "tensor_types": {t.tensor_type.name for t in r.tensors}, "sampling": sampling}
+            "tensor_types": {t.tensor_type.name for t in r.tensors}, "sampling": sampling,
+            "quantization": engine_quantization(layer_elements)}
+
+
+# llama.cpp's block types by bits per weight -> the engine mode that keeps that precision
+# (int4: groups of 32, the Q4 grids; int8: per channel); anything else stays unquantized
+INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS",
+              "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0"}
+INT8_TYPES = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"}
+
+
+def engine_quantization(layer_elements: dict[str, int]) -> str:
+    """The engine's quantize mode for a GGUF whose layer matrices hold layer_elements
+    weights of each llama.cpp type: the type of most of them decides (a Q4_K_M file is
+    mostly Q4_K with some Q6_K: int4). F32/F16/BF16 files are served unquantized."""
+    if not layer_elements:
+        return ""
+    main = max(layer_elements, key=layer_elements.get)
+    return "int4" if main in INT4_TYPES else "int8" if main in INT8_TYPES else ""
+
+
+def file_quantization(folder: str | os.PathLike) -> str | None:
+    """The quantize mode of the GGUF `folder` was converted from (engine_quantization), or
+    None when folder is no GGUF conversion (or one from before the marker recorded it)."""
+    try:
+        return json.loads((Path(folder) / MARKER).read_text()).get("quantization")
+    except (OSError, ValueError):
+        return None
 
 
 def write_sampling_defaults(folder: Path, sampling: dict | None = None) -> bool:

@@ -37,3 +37,14 @@ def resolve(model: str) -> Path:
             f"nothing is downloaded at run time; fetch it where the Hub is reachable "
             f"(`hf download {repo_id}`) and copy the cache, or pass a folder "
             f"({type(e).__name__})") from None
+
+
+AUTO_QUANTIZE = "int4"   # quantize "auto" for a folder that is no GGUF conversion
+
+
+def auto_quantize(folder: Path) -> str:
+    """quantize "auto": the precision of the GGUF the folder was converted from
+    (gguf_convert.engine_quantization), else AUTO_QUANTIZE."""
+    from .gguf_convert import file_quantization
+    q = file_quantization(folder)
+    return AUTO_QUANTIZE if q is None else q

@@ -5,8 +5,10 @@
   int4   groups of `group_size` input channels (32, as the GGUF's Q4_1), asymmetric:
          w ~= (q - 8) * scale + zero, q in [0, 15]; torch's `_weight_int4pack_mm_for_cpu`
          on CPU (`_weight_int4pack_mm` on CUDA). Q4_1 stores w = q * d + m per group of 32,
-         which is this grid with scale = d, zero = m + 8d: re-quantizing the converted
-         SmolLM2 weights recovers llama.cpp's own weights (up to bf16 rounding). The LM
+         which is this grid with scale = d, zero = m + 8d; Q4_0 stores w = (q - 8) d, the
+         grid with zero = 0. Each group takes whichever of the two fits it better
+         (int4_codes), so re-quantizing weights converted from a Q4_0 or Q4_1 GGUF
+         recovers llama.cpp's own weights (up to bf16 rounding of the scales). The LM
          head stays int8 in this mode, as the GGUF keeps token_embd in Q8_0.
 
 torch's CPU kernels are vectorized for bfloat16 activations, not float32 (30-100x slower):
@@ -102,15 +104,26 @@ def _prepack(q: torch.Tensor):
 
 def int4_codes(w: torch.Tensor, group: int = INT4_GROUP):
     """(q [n, k] int32 in 0..15, scale, zero [n, k/group, 1] float32): w ~= (q - 8) scale
-    + zero per group of `group` input channels (min and max of a group on the grid)."""
+    + zero per group of `group` input channels. Each group takes the better (by its largest
+    error) of two grids: min to max in 15 steps (llama.cpp's Q4_1), or symmetric with the
+    value of largest magnitude at -8 steps (Q4_0: scale = -that / 8, zero 0). Weights read
+    from a Q4_0 or Q4_1 GGUF lie on one of them, so their codes come back exactly."""
     n, k = w.shape
     if k % group:
         raise ValueError(f"int4: in_features {k} is not a multiple of the group {group}")
     g = w.float().reshape(n, k // group, group)
     lo, hi = g.amin(dim=-1, keepdim=True), g.amax(dim=-1, keepdim=True)
     scale = (hi - lo).clamp(min=1e-8) / 15.0
-    q = torch.round((g - lo) / scale).clamp_(0, 15).to(torch.int32).reshape(n, k)
-    return q, scale, lo + 8.0 * scale
+    q = torch.round((g - lo) / scale).clamp_(0, 15)
+    zero = lo + 8.0 * scale
+    ext = g.gather(-1, g.abs().argmax(dim=-1, keepdim=True))
+    d = torch.where(ext.abs() < 1e-12, torch.ones_like(ext), -ext / 8.0)
+    q0 = torch.floor(g / d + 8.5).clamp_(0, 15)          # llama.cpp's rounding (+8.5, floor)
+    err = ((q - 8.0) * scale + zero - g).abs().amax(dim=-1, keepdim=True)
+    err0 = ((q0 - 8.0) * d - g).abs().amax(dim=-1, keepdim=True)
+    sym = err0 < err
+    q = torch.where(sym, q0, q).to(torch.int32).reshape(n, k)
+    return q, torch.where(sym, d, scale), torch.where(sym, torch.zeros_like(zero), zero)
 
 
 class Int4Weight:

@@ -102,3 +102,48 @@ def test_a_quantized_gguf_is_dequantized_and_serves_close(tiny_target, tmp_path,
     b = engine(g).model.forward(torch.tensor(ids), *_one(engine(g), len(ids)))
     assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > (
         0.999 if qtype == "Q8_0" else 0.97)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_a_q4_gguf_keeps_its_own_int4_grid(tiny_target, tmp_path, gguf_cache, qtype):
+    """int4 re-finds the codes a Q4_0 / Q4_1 file stores (its own groups of 32): every
+    served weight is the file's within the bfloat16 rounding of the scales, far inside one
+    grid step (re-quantizing a Q4_0 group from its min to its max moves weights by up
+    to half a step)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from shared.engine.quant import INT4_GROUP, Int4Weight
+
+    g = write_gguf(tiny_target, tmp_path / f"tiny-{qtype}.gguf",
+                   quant=getattr(gguf.GGMLQuantizationType, qtype))
+    checked = 0
+    for name, t in load_file(resolve(str(g)) / "model.safetensors").items():
+        if t.dim() != 2 or "layers" not in name:
+            continue
+        w = t.float()
+        got = Int4Weight(w).dequantize().float()
+        groups = w.reshape(w.shape[0], -1, INT4_GROUP)
+        step = ((groups.amax(-1) - groups.amin(-1)) / 15).repeat_interleave(INT4_GROUP, 1)
+        assert ((got - w).abs() <= step / 8).all(), (name, float(((got - w).abs() / step).max()))
+        checked += 1
+    assert checked >= 7
+
+
+@pytest.mark.parametrize("qtype, mode", [(None, ""), ("Q8_0", "int8"), ("Q4_0", "int4")])
+def test_auto_quantization_serves_a_gguf_at_its_own_precision(tiny_target, tmp_path,
+                                                              gguf_cache, qtype, mode):
+    """`pdmesh up`'s default (--quantization auto): a Q4 file serves int4, a Q8_0 file int8
+    (not re-quantized to 4 bits), an F32 file unquantized (what needs quantization, W8A8
+    and the split head, falls away); a plain folder serves the project's int4."""
+    import gguf
+
+    g = write_gguf(tiny_target, tmp_path / f"tiny-{qtype}.gguf",
+                   quant=qtype and getattr(gguf.GGMLQuantizationType, qtype))
+    cfg = dict(num_blocks=64, block_size=8, quantize="auto", act_int8=True, head_split=True)
+    eng = LLMEngine(EngineConfig(model=str(g), **cfg))
+    assert (eng.cfg.quantize, eng.cfg.act_int8, eng.cfg.head_split) == (mode, bool(mode),
+                                                                         bool(mode))
+    assert type(eng.model.layers[0].down_w).__name__ == {"": "Tensor", "int8": "Int8Weight",
+                                                        "int4": "Int4Weight"}[mode]
+    assert LLMEngine(EngineConfig(model=str(tiny_target), **cfg)).cfg.quantize == "int4"
