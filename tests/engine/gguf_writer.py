@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 ARCHS = {"LlamaForCausalLM": gguf.MODEL_ARCH.LLAMA, "Qwen2ForCausalLM": gguf.MODEL_ARCH.QWEN2,
-         "Qwen3ForCausalLM": gguf.MODEL_ARCH.QWEN3}
+         "Qwen3ForCausalLM": gguf.MODEL_ARCH.QWEN3, "Glm4ForCausalLM": gguf.MODEL_ARCH.GLM4}
 
 
 def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -24,8 +24,9 @@ def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def write_gguf(folder: Path, out: Path, name: str = "tiny", sampling: dict | None = None,
-               quant: gguf.GGMLQuantizationType | None = None) -> Path:
-    """quant: the matrices (not norms) stored in this llama.cpp block type (Q8_0, Q4_0)."""
+               quant: gguf.GGMLQuantizationType | None = None, extra=None) -> Path:
+    """quant: the matrices (not norms) stored in this llama.cpp block type (Q8_0, Q4_0);
+    extra(writer): adds what a test needs besides (a key, a tensor)."""
     cfg = json.loads((folder / "config.json").read_text())
     arch = ARCHS[cfg["architectures"][0]]
     key = gguf.MODEL_ARCH_NAMES[arch]
@@ -44,7 +45,9 @@ def write_gguf(folder: Path, out: Path, name: str = "tiny", sampling: dict | Non
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
+    # GLM-4 rotates part of each head (llama.cpp's Glm4Model: head_dim * the factor)
+    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    w.add_rope_dimension_count(int(head_dim * partial))
     w.add_vocab_size(cfg["vocab_size"])
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     for k, v in (sampling or {}).items():
@@ -63,6 +66,8 @@ def write_gguf(folder: Path, out: Path, name: str = "tiny", sampling: dict | Non
                          gguf.quants.quantize(data, quant), raw_dtype=quant)
             continue
         w.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), data)
+    if extra is not None:
+        extra(w)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -147,3 +148,61 @@ def test_auto_quantization_serves_a_gguf_at_its_own_precision(tiny_target, tmp_p
     assert type(eng.model.layers[0].down_w).__name__ == {"": "Tensor", "int8": "Int8Weight",
                                                         "int4": "Int4Weight"}[mode]
     assert LLMEngine(EngineConfig(model=str(tiny_target), **cfg)).cfg.quantize == "int4"
+
+
+def _glm4(tmp_path, tiny_target):
+    """A tiny GLM-4 (partial interleaved rope, q/k/v biases, post-norms, fused gate|up)
+    with the tiny tokenizer; eos is that tokenizer's (GLM's own ids are past 8192)."""
+    eos = engine(tiny_target).tokenizer.hf.eos_token_id
+    src = checkpoint(tmp_path / "glm4", "Glm4Config", vocab_size=8192, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, attention_bias=True, pad_token_id=0,
+                     eos_token_id=eos)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_target / f, src / f)
+    return src
+
+
+@pytest.mark.parametrize("qtype", [None, "Q8_0"])
+def test_a_glm4_gguf_serves_the_folders_answers(tiny_target, tmp_path, gguf_cache, qtype):
+    """GLM-4, which transformers' GGUF reader refuses, through gguf_native: an F32 file
+    gives the folder's logits bit for bit and its greedy tokens; a Q8_0 file (served int8
+    under auto) stays within Q8_0's rounding of them."""
+    import gguf
+
+    src = _glm4(tmp_path, tiny_target)
+    g = write_gguf(src, tmp_path / "glm4.gguf",
+                   quant=qtype and getattr(gguf.GGMLQuantizationType, qtype))
+    want, got = engine(src), engine(g)
+    assert json.loads((resolve(str(g)) / "config.json").read_text())["architectures"] == [
+        "Glm4ForCausalLM"]
+    ids = want.tokenizer.encode("The quick brown fox jumps over the lazy dog")
+    a = want.model.forward(torch.tensor(ids), *_one(want, len(ids)))
+    b = got.model.forward(torch.tensor(ids), *_one(got, len(ids)))
+    if qtype is None:
+        assert torch.equal(a, b)
+        sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+        assert got.generate([ids], sp)[0]["token_ids"] == want.generate([ids], sp)[0]["token_ids"]
+    else:
+        assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.999
+        auto = LLMEngine(EngineConfig(model=str(g), num_blocks=64, block_size=8,
+                                      quantize="auto"))
+        assert auto.cfg.quantize == "int8"
+
+
+def test_a_glm4_gguf_with_what_the_converter_does_not_know_is_refused(tiny_target, tmp_path,
+                                                                      gguf_cache):
+    """A tensor no GLM-4 parameter takes, or rope scaling: refused by name, not dropped."""
+    import gguf
+
+    from shared.engine.loader import CheckpointError
+
+    src = _glm4(tmp_path, tiny_target)
+    g = write_gguf(src, tmp_path / "extra.gguf",
+                   extra=lambda w: w.add_tensor("blk.0.attn_gate.weight",
+                                                np.zeros((64, 64), np.float32)))
+    with pytest.raises(CheckpointError, match=r"blk\.0\.attn_gate\.weight"):
+        resolve(str(g))
+    g = write_gguf(src, tmp_path / "yarn.gguf",
+                   extra=lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.YARN))
+    with pytest.raises(CheckpointError, match="rope.scaling.type 'yarn'"):
+        resolve(str(g))

@@ -1,0 +1,101 @@
+"""GGUF architectures transformers' GGUF loader does not read (GLM-4), converted here.
+
+The config comes from the file's metadata (`ARCHS` says how, per llama.cpp architecture),
+each Hugging Face tensor from the llama.cpp tensor name the `gguf` package maps it to (the
+map llama.cpp's own converter writes with), dequantized by the `gguf` package. llama.cpp's
+GLM-4 converter (`conversion/glm.py`, `Glm4Model`) stores q and k unpermuted (both sides
+rotate interleaved pairs) and the rope dimension as head_dim * partial_rotary_factor, so
+nothing is undone but that factor. What the map does not know, a tensor of the file no
+Hugging Face parameter takes, or rope scaling, is a CheckpointError naming it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .loader import CheckpointError
+
+
+def _value(reader, key: str):
+    import gguf
+
+    f = reader.fields.get(key)
+    if f is None or not f.data:
+        return None
+    v = f.parts[f.data[0]]
+    return bytes(v).decode() if f.types and f.types[0] == gguf.GGUFValueType.STRING \
+        else v.tolist()[0]
+
+
+def glm4_config(get, tensors: dict) -> tuple[str, dict]:
+    """Glm4Config's fields from glm4.* metadata."""
+    heads = get("attention.head_count")
+    head_dim = get("attention.key_length") or get("embedding_length") // heads
+    rope_dim = get("rope.dimension_count") or head_dim // 2
+    return "Glm4Config", dict(
+        hidden_size=get("embedding_length"), intermediate_size=get("feed_forward_length"),
+        num_hidden_layers=get("block_count"), num_attention_heads=heads,
+        num_key_value_heads=get("attention.head_count_kv") or heads, head_dim=head_dim,
+        rms_norm_eps=get("attention.layer_norm_rms_epsilon"),
+        max_position_embeddings=get("context_length"),
+        rope_parameters={"rope_type": "default", "rope_theta": get("rope.freq_base") or 10000.0,
+                         "partial_rotary_factor": rope_dim / head_dim},
+        attention_bias="blk.0.attn_q.bias" in tensors)
+
+
+ARCHS = {"glm4": glm4_config}
+
+
+def reads(arch: str | None) -> bool:
+    return arch in ARCHS
+
+
+def save_model(gguf_path: Path, out_dir: Path, dtype: str, name: str) -> None:
+    """The GGUF's weights and config as a Hugging Face folder (safetensors in dtype)."""
+    import gguf
+    import numpy as np
+    import torch
+    import transformers
+    from transformers import GenerationConfig
+
+    r = gguf.GGUFReader(str(gguf_path))
+    arch = _value(r, "general.architecture")
+    tensors = {t.name: t for t in r.tensors}
+    scaling = _value(r, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise CheckpointError(f"{gguf_path.name}: {arch}.rope.scaling.type {scaling!r} is not "
+                              "supported")
+    cls, fields = ARCHS[arch](lambda k: _value(r, f"{arch}.{k}"), tensors)
+    ids = {k: _value(r, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding")}
+    fields |= dict(vocab_size=int(tensors["token_embd.weight"].shape[-1]),
+                   tie_word_embeddings="output.weight" not in tensors,
+                   bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["padding"])
+    config = getattr(transformers, cls)(**fields)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    config.architectures = [type(model).__name__]
+    config._name_or_path = name
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
+    state, used = {}, set()
+    for hf_name, p in model.state_dict().items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        base, _, suffix = hf_name.rpartition(".")
+        g = names.get_name(base)
+        t = tensors.get(f"{g}.{suffix}") if g else None
+        if t is None:
+            raise CheckpointError(f"{gguf_path.name}: no tensor for {hf_name} "
+                                  f"(llama.cpp name {g}.{suffix})")
+        w = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        state[hf_name] = torch.from_numpy(w).reshape(p.shape).to(getattr(torch, dtype))
+        used.add(t.name)
+    unknown = sorted(set(tensors) - used)
+    if unknown:
+        raise CheckpointError(f"{gguf_path.name}: tensors {unknown[:4]} have no place in "
+                              f"{config.architectures[0]}")
+    missing = model.load_state_dict(state, strict=False, assign=True).missing_keys
+    if set(missing) - {"lm_head.weight"}:
+        raise CheckpointError(f"{gguf_path.name}: {sorted(missing)[:4]} missing")
+    model.tie_weights()
+    model.generation_config = GenerationConfig(bos_token_id=ids["bos"], eos_token_id=ids["eos"],
+                                               pad_token_id=ids["padding"])
+    model.save_pretrained(out_dir)
