@@ -104,7 +104,7 @@ def _prepack(q: torch.Tensor):
 
 def int4_codes(w: torch.Tensor, group: int = INT4_GROUP):
     """(q [n, k] int32 in 0..15, scale, zero [n, k/group, 1] float32): w ~= (q - 8) scale
-    + zero per group of `group` input channels. Each group takes the better (by its largest
+    + zero per group of `group` input channels. Each group takes the better (by its squared
     error) of two grids: min to max in 15 steps (llama.cpp's Q4_1), or symmetric with the
     value of largest magnitude at -8 steps (Q4_0: scale = -that / 8, zero 0). Weights read
     from a Q4_0 or Q4_1 GGUF lie on one of them, so their codes come back exactly."""
@@ -119,8 +119,8 @@ def int4_codes(w: torch.Tensor, group: int = INT4_GROUP):
     ext = g.gather(-1, g.abs().argmax(dim=-1, keepdim=True))
     d = torch.where(ext.abs() < 1e-12, torch.ones_like(ext), -ext / 8.0)
     q0 = torch.floor(g / d + 8.5).clamp_(0, 15)          # llama.cpp's rounding (+8.5, floor)
-    err = ((q - 8.0) * scale + zero - g).abs().amax(dim=-1, keepdim=True)
-    err0 = ((q0 - 8.0) * d - g).abs().amax(dim=-1, keepdim=True)
+    err = ((q - 8.0) * scale + zero - g).square().sum(dim=-1, keepdim=True)
+    err0 = ((q0 - 8.0) * d - g).square().sum(dim=-1, keepdim=True)
     sym = err0 < err
     q = torch.where(sym, q0, q).to(torch.int32).reshape(n, k)
     return q, torch.where(sym, d, scale), torch.where(sym, torch.zeros_like(zero), zero)
