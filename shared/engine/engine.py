@@ -103,6 +103,8 @@ class LLMEngine:
         self.kv = kv_pool(mc, num_blocks, cfg.block_size, cfg.torch_dtype, cfg.device)
         self.pool = BlockPool(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(cfg, self.pool)
+        if dc is None and mc.layer_windows and all(mc.layer_windows):
+            self.scheduler.window = max(mc.layer_windows)   # KV past every window is freed
         self.draft_kv = self.spec = None
         if dc is not None:
             self._start_speculation(dc, num_blocks)
@@ -161,8 +163,10 @@ class LLMEngine:
     # ---- requests -----------------------------------------------------------------
     def check_request(self, prompt_ids: list[int], params) -> None:
         """ValueError with the numbers when a request can never be served."""
+        w = self.scheduler.window
         check_request(prompt_ids, params, self.model_cfg.vocab_size, self.max_model_len,
-                      self.pool)
+                      self.pool, w + self.cfg.max_num_batched_tokens
+                      if w and not self.cfg.deterministic else 0)
 
     def _new_seq(self, request_id, prompt_ids, params, constraint=None, replay: int = 0
                  ) -> Sequence:
@@ -361,4 +365,5 @@ class LLMEngine:
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "blocks_free": self.pool.num_free, "blocks_used": self.pool.num_used,
                 "blocks_total": self.pool.num_blocks, "block_size": self.cfg.block_size,
+                "blocks_evicted": self.scheduler.evicted_blocks,
                 **self.pool.stats(), **self.counters}

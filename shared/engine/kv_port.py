@@ -133,8 +133,9 @@ class KvPort:
         req = self._e.requests.get(request_id)
         if req is None or req.seq.num_computed < len(req.seq.prompt_ids):
             return [], []
-        keys = req.seq.keys
-        return list(req.seq.block_table[:len(keys)]), list(keys)
+        seq, keys = req.seq, req.seq.keys
+        k = min(seq.num_evicted, len(keys))      # evicted ones hold nobody's KV any more
+        return list(seq.block_table[k:len(keys)]), list(keys[k:])
 
     # ---- PD writes ------------------------------------------------------------------
     def reserve(self, rid: str, prompt_ids: list[int], params, constraint=None,

@@ -6,7 +6,9 @@ from .block_pool import BlockPool
 
 
 def check_request(prompt_ids: list[int], params, vocab_size: int, max_model_len: int,
-                  pool: BlockPool) -> None:
+                  pool: BlockPool, window_tokens: int = 0) -> None:
+    """window_tokens: when every layer slides, the most tokens a running sequence keeps
+    KV for beyond its prompt's (scheduler.evict; 0: the whole context)."""
     params.check(vocab_size)
     if not prompt_ids:
         raise ValueError("prompt is empty")
@@ -18,6 +20,9 @@ def check_request(prompt_ids: list[int], params, vocab_size: int, max_model_len:
         raise ValueError(
             f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
             f"exceeds the context window of {max_model_len} tokens")
-    if pool.blocks_for(total) > pool.num_blocks:
-        raise ValueError(f"request needs {pool.blocks_for(total)} KV blocks; the pool has "
-                         f"{pool.num_blocks}")
+    need = pool.blocks_for(total)
+    if window_tokens:      # the prompt's blocks (a remote prefill fills them all), or a window
+        need = min(need, max(pool.blocks_for(len(prompt_ids)),
+                             pool.blocks_for(window_tokens) + 1))
+    if need > pool.num_blocks:
+        raise ValueError(f"request needs {need} KV blocks; the pool has {pool.num_blocks}")

@@ -12,6 +12,13 @@ prefill chunks are aligned to multiples of chunk_size and never split by the row
 budget, and a sequence is admitted only with blocks for its whole budget
 (prompt + max_tokens) so it is never preempted and recomputed.
 
+Sliding windows (`window`, set by the engine when every layer of the model slides): a
+running sequence gives back its leading blocks once no token still to be computed can see
+them (a row at position p attends p - window + 1 .. p), so its KV holds about a window,
+not the whole context, as vLLM's sliding-window manager does. Not while its KV is still
+going somewhere (a prefill-only sequence, a lower-tier load in progress), and a prompt
+block only once the prefix index holds it (an evicted entry is never registered).
+
 Speculative decoding: a decode step may carry k extra rows for draft tokens (`lookahead`,
 set by the engine, says how many the sequence may take). Rows and blocks are reserved for
 them here; they shrink to what fits rather than preempt anyone (deterministic mode: the
@@ -25,7 +32,7 @@ from dataclasses import dataclass, field
 
 from .block_pool import BlockPool
 from .config import EngineConfig
-from .sequence import SeqStatus, Sequence
+from .sequence import EVICTED, SeqStatus, Sequence
 
 
 @dataclass(slots=True)
@@ -55,6 +62,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.lookahead: Callable[[Sequence], int] | None = None   # drafts a decode may take
+        self.window = 0              # every layer's window (0: some layer sees everything)
+        self.evicted_blocks = 0      # given back by sliding windows, in all
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -78,6 +87,20 @@ class Scheduler:
 
     def _blocks_needed(self, seq: Sequence, upto: int) -> int:
         return max(0, self.pool.blocks_for(upto) - len(seq.block_table))
+
+    def evict(self, seq: Sequence) -> None:
+        """Give back the leading blocks no future row of seq can attend (window)."""
+        if not self.window or seq.stop_after_prefill or seq.load is not None:
+            return
+        bs = self.pool.block_size
+        dead = min(max(0, (seq.num_computed - self.window) // bs), len(seq.block_table))
+        if self.cfg.prefix_cache and seq.num_registered < len(seq.keys):
+            dead = min(dead, seq.num_registered)     # registered first, then given back
+        if dead > seq.num_evicted:
+            self.pool.free(seq.block_table[seq.num_evicted:dead])
+            self.evicted_blocks += dead - seq.num_evicted
+            seq.block_table[seq.num_evicted:dead] = [EVICTED] * (dead - seq.num_evicted)
+            seq.num_evicted = dead
 
     def _drafts(self, seq: Sequence, n: int, budget: int) -> int:
         """Draft rows for a decode step: what lookahead allows, shrunk to the free rows
@@ -103,6 +126,7 @@ class Scheduler:
         for seq in list(self.running):
             if seq not in self.running:   # preempted below by an older sequence
                 continue
+            self.evict(seq)
             n = self._chunk(seq, budget)
             k = self._drafts(seq, n, budget) if n else 0
             if n == 0 or k < 0:
@@ -140,9 +164,10 @@ class Scheduler:
         """Free a running sequence's blocks; it recomputes from scratch when readmitted."""
         self.running.remove(seq)
         cancel_load(seq)
-        self.pool.free(seq.block_table)
+        self.pool.free(seq.live_blocks)
         seq.block_table = []
         seq.num_computed = seq.num_registered = seq.num_l1 = seq.num_cached = 0
+        seq.num_evicted = 0
         seq.draft_computed = 0
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
@@ -154,8 +179,8 @@ class Scheduler:
             self.waiting.remove(seq)
         cancel_load(seq)
         if not keep_blocks and seq.block_table:
-            self.pool.free(seq.block_table)
-            seq.block_table = []
+            self.pool.free(seq.live_blocks)
+            seq.block_table, seq.num_evicted = [], 0
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 from shared.contracts.sampling import SamplingParams
 
+EVICTED = 0    # an evicted entry: a block id any gather may read, every read of it masked
+
 
 class SeqStatus(enum.Enum):
     HELD = "held"            # blocks allocated, not scheduled: its KV is filled from outside
@@ -30,6 +32,9 @@ class Sequence:
     arrival: int
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
+    # leading blocks given back once no future token can see them (every layer slides):
+    # their entries hold EVICTED, and only block_table[num_evicted:] is this sequence's
+    num_evicted: int = 0
     num_computed: int = 0
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
@@ -50,6 +55,11 @@ class Sequence:
     spec_proposed: int = 0
     spec_accepted: int = 0
     scheduled_at: float = 0.0          # time.monotonic() of its first step (queue time ends)
+
+    @property
+    def live_blocks(self) -> list[int]:
+        """The blocks this sequence holds (its table less the evicted lead)."""
+        return self.block_table[self.num_evicted:]
 
     @property
     def num_tokens(self) -> int:

@@ -71,6 +71,10 @@ def test_pd_equals_colocated_equals_engine(model, tiny_prompts):
                 assert headers["x-pdmesh-path"] == path and toks == w, (path, kw)
         prefill = asyncio.run(micro_stats(c.nats_url, "prefill"))
         assert prefill["jobs_done"] >= len(todo) and prefill["kv_bytes"] > 0
+        # Mixtral slides on every layer: decode gave back what no token could see any more
+        # (after the prefill's blocks landed), and still answered as the engine alone
+        evicted = asyncio.run(micro_stats(c.nats_url, "decode"))["blocks_evicted"]
+        assert (evicted > 0) == (model.parent.name.startswith("mixtral")), evicted
         # tool_choice "required" (the GLM-5 deployments' HTTP 500): on either path the
         # grammar forces a call, the same call, whose arguments fit the tool's schema
         answers = asyncio.run(_required_tool_call(c.url))
