@@ -20,22 +20,20 @@ held out.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
+from pdmesh.bench.quality import held_out_texts, text_metrics
 from pdmesh.bench.report import save
 from pdmesh.bench.workloads import CODE_PROMPTS
 from shared.contracts.sampling import SamplingParams
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.gguf_convert import default_model_dir
-from shared.engine.model import one_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,45 +46,6 @@ CHAT_PROMPTS = ["What is the capital of France?", "Give me three tips for sleepi
 
 def log(msg: str) -> None:
     print(f"[quant {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def held_out_texts() -> dict[str, str]:
-    import json as json_mod
-    import textwrap
-    from pydoc_data.topics import topics
-    prose = "\n\n".join(topics[k] for k in sorted(topics)[:40])
-    code = "\n\n".join(inspect.getsource(m) for m in (textwrap, json_mod.decoder))
-    return {"prose": prose, "code": code}
-
-
-def window_logits(eng: LLMEngine, ids: list[int]) -> torch.Tensor:
-    """Logits [T, V] for every position of one window, the prompt computed in one forward."""
-    meta, kv = one_prompt(eng.model_cfg, len(ids), eng.cfg.torch_dtype, every_row=True)
-    return eng.model.forward(torch.tensor(ids), meta, kv)
-
-
-def text_metrics(engines: dict, ids: list[int], window: int) -> dict:
-    nll = {v: 0.0 for v in engines}
-    top1 = {v: 0 for v in engines}
-    kl = {v: 0.0 for v in engines}
-    n = 0
-    for s in range(0, len(ids) - 1, window):
-        w = ids[s:s + window + 1]
-        if len(w) < 2:
-            break
-        tgt = torch.tensor(w[1:])
-        ref = None
-        for v, eng in engines.items():
-            lg = window_logits(eng, w[:-1]).float()
-            lp = F.log_softmax(lg, dim=-1)
-            nll[v] += float(F.nll_loss(lp, tgt, reduction="sum"))
-            if ref is None:
-                ref = lp
-            top1[v] += int((lp.argmax(-1) == ref.argmax(-1)).sum())
-            kl[v] += float((ref.exp() * (ref - lp)).sum())
-        n += len(tgt)
-    return {v: {"tokens": n, "perplexity": float(torch.exp(torch.tensor(nll[v] / n))),
-                "top1_agreement": top1[v] / n, "mean_kl": kl[v] / n} for v in engines}
 
 
 def greedy_agreement(engines: dict, prompts: list[list[int]], max_tokens: int) -> dict:
