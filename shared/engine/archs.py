@@ -79,8 +79,9 @@ def activation(config: Mapping) -> str:
 def layer_windows(config: Mapping, num_layers: int) -> tuple[int, ...]:
     """Each layer's attention window (0: the whole context). A key at position k is seen
     from position q when q - window < k <= q (transformers' sliding_window_overlay).
-    layer_types names each layer (Gemma 2/3, Qwen2/3 since transformers 5); without it
-    every layer slides when sliding_window applies (Mistral)."""
+    layer_types names each layer (Gemma 2/3, Qwen2/3 since transformers 5); without it the
+    layers from max_window_layers on slide (Qwen2's older configs, as transformers reads
+    them), or every layer (Mistral), when sliding_window applies."""
     window = int(config.get("sliding_window") or 0)
     layer_types = config.get("layer_types")
     if not window:
@@ -89,6 +90,9 @@ def layer_windows(config: Mapping, num_layers: int) -> tuple[int, ...]:
         return tuple(window if t == "sliding_attention" else 0 for t in layer_types)
     if "use_sliding_window" in config and not config["use_sliding_window"]:
         return (0,) * num_layers
+    if "max_window_layers" in config:     # Qwen2 without layer_types: the layers from it slide
+        first = int(config["max_window_layers"] or 0)
+        return tuple(window if i >= first else 0 for i in range(num_layers))
     return (window,) * num_layers
 
 

@@ -97,9 +97,21 @@ def is_converted(out_dir: Path, identity: dict | None, gguf_path: Path | None = 
                                                                          st.st_mtime_ns)
     else:
         same_source = all(recorded.get(k) == identity[k] for k in ("size", "sha256"))
-    if "quantization" not in recorded:     # converted before the file's precision was kept
-        return False
     return same_source and all((out_dir / name).is_file() for name in recorded.get("files", []))
+
+
+def record_quantization(out_dir: Path, gguf_path: Path, meta: dict | None = None) -> Path:
+    """A conversion from before the marker kept the file's precision gets it now, read
+    from the GGUF's header (no re-conversion); returns out_dir."""
+    marker = out_dir / MARKER
+    recorded = json.loads(marker.read_text())
+    if "quantization" not in recorded:
+        meta = meta or read_metadata(gguf_path)
+        tmp = marker.with_name(f".{MARKER}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(recorded | {"quantization": meta["quantization"]},
+                                  indent=2) + "\n")
+        os.replace(tmp, marker)
+    return out_dir
 
 
 def cached_folder(gguf_path: str | os.PathLike) -> Path:
@@ -112,7 +124,7 @@ def cached_folder(gguf_path: str | os.PathLike) -> Path:
     # named as the file (the folder's name is the model id the gateway serves)
     out = root / f"{gguf_path.stem}-{gguf_path.stat().st_size}" / gguf_path.stem
     if is_converted(out, None, gguf_path):
-        return out
+        return record_quantization(out, gguf_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / ".lock", "w") as lock, _locked(lock):
         if not is_converted(out, None, gguf_path):
@@ -143,7 +155,7 @@ def convert(out_dir: str | os.PathLike, gguf_path: str | os.PathLike | None = No
         print(f"[gguf_convert] {out_dir} already holds {gguf_path.name} (sha256 "
               f"{identity['sha256'][:12]}), skipping")
         write_sampling_defaults(out_dir, sampling)
-        return out_dir
+        return record_quantization(out_dir, gguf_path, meta)
 
     print(f"[gguf_convert] converting {gguf_path} ({identity['size'] / 2**20:.0f} MiB) -> "
           f"{out_dir} (about half a minute, once)", flush=True)
@@ -269,10 +281,14 @@ def _save_tokenizer(gguf_path: Path, out_dir: Path, eos: str | None = None,
     end-of-sequence token it must have (the bundled model's), None to take its own.
     native: an architecture transformers' GGUF config reader refuses (gguf_native); its
     tokenizer metadata is read the same way, without the config."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
 
-    cls = PreTrainedTokenizerFast if native else AutoTokenizer
-    tok = cls.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
+    if native:
+        from . import gguf_native
+        tok = gguf_native.load_tokenizer(gguf_path)
+    else:
+        tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                            local_files_only=True)
     if eos is not None and tok.eos_token != eos:
         raise ValueError(f"GGUF tokenizer eos is {tok.eos_token!r}, expected {eos!r}")
     if eos is not None and not tok.chat_template:

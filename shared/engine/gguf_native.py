@@ -43,10 +43,47 @@ def glm4_config(get, tensors: dict) -> tuple[str, dict]:
 
 
 ARCHS = {"glm4": glm4_config}
+# turn-ending tokens a chat model of the family emits besides eos (GLM-4's configs stop on
+# <|endoftext|>, <|user|> and <|observation|>; llama.cpp's converter keeps only the first
+# two, as eos and eot)
+STOP_TOKENS = {"glm4": ("<|user|>", "<|observation|>")}
+# llama.cpp's pre-tokenizer names transformers' GGUF reader does not know, with llama.cpp's
+# split (LLAMA_VOCAB_PRE_TYPE_CHATGLM4, src/llama-vocab.cpp): digits in groups of up to 3
+CHATGLM4_SPLIT = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+                  r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+SPLITS = {"chatglm-bpe": CHATGLM4_SPLIT, "glm4": CHATGLM4_SPLIT, "glm5": CHATGLM4_SPLIT}
 
 
 def reads(arch: str | None) -> bool:
     return arch in ARCHS
+
+
+def load_tokenizer(gguf_path: Path):
+    """The tokenizer the metadata describes (transformers' GGUF tokenizer reader, which
+    needs no config), split as llama.cpp splits for pre-tokenizers that reader lacks."""
+    import gguf
+    from tokenizers import Regex, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                  local_files_only=True)
+    split = SPLITS.get(_value(gguf.GGUFReader(str(gguf_path)), "tokenizer.ggml.pre"))
+    if split is not None:
+        tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return tok
+
+
+def stop_ids(reader, arch: str) -> list[int]:
+    """eos, then eot/eom and the family's turn-ending tokens present in the vocabulary."""
+    ids = [_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    f = reader.fields.get("tokenizer.ggml.tokens")
+    if f is not None:
+        want = set(STOP_TOKENS.get(arch, ()))
+        ids += [i for i, d in enumerate(f.data) if want and bytes(f.parts[d]).decode() in want]
+    return list(dict.fromkeys(i for i in ids if i is not None))
 
 
 def save_model(gguf_path: Path, out_dir: Path, dtype: str, name: str) -> None:
@@ -65,10 +102,12 @@ def save_model(gguf_path: Path, out_dir: Path, dtype: str, name: str) -> None:
         raise CheckpointError(f"{gguf_path.name}: {arch}.rope.scaling.type {scaling!r} is not "
                               "supported")
     cls, fields = ARCHS[arch](lambda k: _value(r, f"{arch}.{k}"), tensors)
-    ids = {k: _value(r, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding")}
+    ids = {k: _value(r, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "padding")}
+    stops = stop_ids(r, arch)
+    eos = stops[0] if len(stops) == 1 else (stops or None)
     fields |= dict(vocab_size=int(tensors["token_embd.weight"].shape[-1]),
                    tie_word_embeddings="output.weight" not in tensors,
-                   bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["padding"])
+                   bos_token_id=ids["bos"], eos_token_id=eos, pad_token_id=ids["padding"])
     config = getattr(transformers, cls)(**fields)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
@@ -96,6 +135,6 @@ def save_model(gguf_path: Path, out_dir: Path, dtype: str, name: str) -> None:
     if set(missing) - {"lm_head.weight"}:
         raise CheckpointError(f"{gguf_path.name}: {sorted(missing)[:4]} missing")
     model.tie_weights()
-    model.generation_config = GenerationConfig(bos_token_id=ids["bos"], eos_token_id=ids["eos"],
+    model.generation_config = GenerationConfig(bos_token_id=ids["bos"], eos_token_id=eos,
                                                pad_token_id=ids["padding"])
     model.save_pretrained(out_dir)

@@ -179,8 +179,7 @@ class KvPort:
         """A held sequence's KV is all in: its blocks get new epochs (no write issued
         before lands from now on) and it joins the batch with its first token. Raises
         ReplayError (request dropped) if the token breaks its grammar."""
-        e = self._e
-        e.pool.restamp(e.requests[rid].seq.block_table)
+        self._e.pool.restamp(self._held(rid).block_table)     # held: nothing evicted
         return self.resume(rid, first_token, logprob, top_logprobs)
 
     def snapshot(self, blocks: list[int], copy=None) -> torch.Tensor:

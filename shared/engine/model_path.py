@@ -45,6 +45,12 @@ AUTO_QUANTIZE = "int4"   # quantize "auto" for a folder that is no GGUF conversi
 def auto_quantize(folder: Path) -> str:
     """quantize "auto": the precision of the GGUF the folder was converted from
     (gguf_convert.engine_quantization), else AUTO_QUANTIZE."""
+    import logging
+
     from .gguf_convert import file_quantization
     q = file_quantization(folder)
+    logging.getLogger("pdmesh.engine").info(
+        "quantize auto: %s (%s)", (AUTO_QUANTIZE if q is None else q) or "none",
+        "not a GGUF conversion" if q is None else "the GGUF's own precision"
+        + ("; act_int8, smoothquant and head_split need a quantized model" if not q else ""))
     return AUTO_QUANTIZE if q is None else q

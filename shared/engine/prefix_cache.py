@@ -62,7 +62,7 @@ class PrefixCache:
     def attach(self, seq: Sequence, tier_blocks: int = 0) -> LayerLoad | None:
         """Give a new sequence its cached prefix: L1 blocks (referenced), plus fresh blocks
         for a lower tier's longer prefix, to be filled by the returned LayerLoad."""
-        seq.block_table, seq.num_registered = [], 0
+        seq.block_table, seq.num_registered, seq.num_evicted = [], 0, 0
         seq.num_computed = seq.num_l1 = seq.num_cached = seq.draft_computed = 0
         seq.keys = self.keys(seq.prompt_ids, seq.cache_salt)
         self.counters["prompt_tokens"] += len(seq.prompt_ids)

@@ -16,8 +16,9 @@ Sliding windows (`window`, set by the engine when every layer of the model slide
 running sequence gives back its leading blocks once no token still to be computed can see
 them (a row at position p attends p - window + 1 .. p), so its KV holds about a window,
 not the whole context, as vLLM's sliding-window manager does. Not while its KV is still
-going somewhere (a prefill-only sequence, a lower-tier load in progress), and a prompt
-block only once the prefix index holds it (an evicted entry is never registered).
+going somewhere (a prefill-only sequence, a lower-tier load in progress, a prompt not yet
+complete: the kvstore write-back copies the whole prompt at its first token), and a
+prompt block only once the prefix index holds it (an evicted entry is never registered).
 
 Speculative decoding: a decode step may carry k extra rows for draft tokens (`lookahead`,
 set by the engine, says how many the sequence may take). Rows and blocks are reserved for
@@ -90,8 +91,9 @@ class Scheduler:
 
     def evict(self, seq: Sequence) -> None:
         """Give back the leading blocks no future row of seq can attend (window)."""
-        if not self.window or seq.stop_after_prefill or seq.load is not None:
-            return
+        if (not self.window or seq.stop_after_prefill or seq.load is not None
+                or seq.num_computed < len(seq.prompt_ids)):
+            return      # the whole prompt stays until its first token (kvstore write-back)
         bs = self.pool.block_size
         dead = min(max(0, (seq.num_computed - self.window) // bs), len(seq.block_table))
         if self.cfg.prefix_cache and seq.num_registered < len(seq.keys):

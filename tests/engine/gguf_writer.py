@@ -24,9 +24,11 @@ def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def write_gguf(folder: Path, out: Path, name: str = "tiny", sampling: dict | None = None,
-               quant: gguf.GGMLQuantizationType | None = None, extra=None) -> Path:
+               quant: gguf.GGMLQuantizationType | None = None, extra=None,
+               pre: str = "default") -> Path:
     """quant: the matrices (not norms) stored in this llama.cpp block type (Q8_0, Q4_0);
-    extra(writer): adds what a test needs besides (a key, a tensor)."""
+    extra(writer): adds what a test needs besides (a key, a tensor); pre: llama.cpp's
+    pre-tokenizer name."""
     cfg = json.loads((folder / "config.json").read_text())
     arch = ARCHS[cfg["architectures"][0]]
     key = gguf.MODEL_ARCH_NAMES[arch]
@@ -52,7 +54,7 @@ def write_gguf(folder: Path, out: Path, name: str = "tiny", sampling: dict | Non
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     for k, v in (sampling or {}).items():
         getattr(w, f"add_sampling_{k}")(v)
-    _tokenizer(w, folder, cfg)
+    _tokenizer(w, folder, cfg, pre)
     names = gguf.get_tensor_name_map(arch, n)
     for hf_name, t in load_file(folder / "model.safetensors").items():
         t = t.float()
@@ -75,14 +77,14 @@ def write_gguf(folder: Path, out: Path, name: str = "tiny", sampling: dict | Non
     return out
 
 
-def _tokenizer(w: gguf.GGUFWriter, folder: Path, cfg: dict) -> None:
+def _tokenizer(w: gguf.GGUFWriter, folder: Path, cfg: dict, pre: str = "default") -> None:
     tj = json.loads((folder / "tokenizer.json").read_text())
     tc = json.loads((folder / "tokenizer_config.json").read_text())
     vocab = tj["model"]["vocab"] | {a["content"]: a["id"] for a in tj["added_tokens"]}
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
     special = {a["content"] for a in tj["added_tokens"] if a.get("special")}
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL
                        for t in tokens])

@@ -328,3 +328,19 @@ def test_stop_ids_past_the_vocabulary_are_refused_at_load(tmp_path, tiny_target)
     with pytest.raises(CheckpointError, match=r"eos_token_id \[151329, 151336, 151338\] "
                                               r"outside the model's vocabulary \(8192"):
         LLMEngine(EngineConfig(model=str(path), num_blocks=16, block_size=8))
+
+
+def test_layer_windows_read_as_transformers_reads_them():
+    """A Qwen2 config without layer_types slides only from max_window_layers on (so KV is
+    never given back for its full-attention layers); Mistral's slides everywhere; a saved
+    layer_types wins."""
+    import transformers
+
+    from shared.engine.archs import layer_windows
+
+    q = dict(model_type="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    want = transformers.Qwen2Config(**q, num_hidden_layers=3).layer_types
+    assert layer_windows(q, 3) == tuple(8 if t == "sliding_attention" else 0 for t in want)
+    assert layer_windows(q, 3) == (0, 8, 8)
+    assert layer_windows({"sliding_window": 8}, 2) == (8, 8)
+    assert layer_windows(q | {"layer_types": ["sliding_attention", "full_attention"]}, 2) == (8, 0)

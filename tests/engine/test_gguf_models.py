@@ -206,3 +206,40 @@ def test_a_glm4_gguf_with_what_the_converter_does_not_know_is_refused(tiny_targe
                    extra=lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.YARN))
     with pytest.raises(CheckpointError, match="rope.scaling.type 'yarn'"):
         resolve(str(g))
+
+
+def test_a_conversion_from_before_learns_its_precision_without_converting_again(
+        tiny_target, tmp_path, gguf_cache):
+    """A marker written before it recorded the file's precision gets it from the GGUF's
+    header on the next start; the weights are not converted again."""
+    import gguf
+
+    g = write_gguf(tiny_target, tmp_path / "old.gguf", quant=gguf.GGMLQuantizationType.Q8_0)
+    folder = resolve(str(g))
+    marker = folder / "pdmesh_gguf_source.json"
+    old = json.loads(marker.read_text())
+    marker.write_text(json.dumps({k: v for k, v in old.items() if k != "quantization"}))
+    weights = (folder / "model.safetensors").stat().st_mtime_ns
+    assert resolve(str(g)) == folder
+    assert json.loads(marker.read_text())["quantization"] == "int8"
+    assert (folder / "model.safetensors").stat().st_mtime_ns == weights
+
+
+def test_a_glm4_gguf_splits_and_stops_as_llama_cpp_reads_it(tiny_target, tmp_path,
+                                                           gguf_cache):
+    """GLM-4's pre-tokenizer ("chatglm-bpe"), which transformers' GGUF reader does not
+    know, splits digits in groups of three as llama.cpp does (not GPT-2's way), and the
+    file's end-of-turn token (eot) stops generation besides eos."""
+    src = _glm4(tmp_path, tiny_target)
+    eot = 5
+    g = write_gguf(src, tmp_path / "glm4.gguf", pre="chatglm-bpe",
+                   extra=lambda w: w.add_eot_token_id(eot))
+    folder = resolve(str(g))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    pieces = [p for p, _ in tok.backend_tokenizer.pre_tokenizer.pre_tokenize_str("x 1234567")]
+    assert pieces[-3:] == ["123", "456", "7"], pieces
+    gen = json.loads((folder / "generation_config.json").read_text())
+    assert eot in gen["eos_token_id"]
+    assert eot in engine(g).tokenizer.eos_token_ids

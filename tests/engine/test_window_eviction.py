@@ -44,8 +44,10 @@ def make(path, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(**cfg), tokenizer=None)
 
 
-def run(eng: LLMEngine, prompts: list[list[int]], n: int) -> tuple[list[list[int]], int]:
-    """Greedy outputs and the most blocks in use after any step."""
+def run(eng: LLMEngine, prompts: list[list[int]], n: int, after: int = 0
+        ) -> tuple[list[list[int]], int]:
+    """Greedy outputs and the most blocks in use after any step once every request has
+    `after` tokens out."""
     sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     out = {f"r{i}": [] for i in range(len(prompts))}
     for rid, p in zip(out, prompts):
@@ -54,18 +56,20 @@ def run(eng: LLMEngine, prompts: list[list[int]], n: int) -> tuple[list[list[int
     while eng.has_unfinished:
         for o in eng.step():
             out[o.request_id] += o.new_token_ids
-        peak = max(peak, eng.pool.num_used)
+        if min(map(len, out.values())) >= after:
+            peak = max(peak, eng.pool.num_used)
     return list(out.values()), peak
 
 
 def test_a_long_generation_holds_a_window_of_blocks_and_equals_transformers(mistral):
     """40 prompt tokens and 120 generated with a 16-token window: transformers' tokens,
-    while the pool never holds more than the window's blocks and two (160 tokens would
-    take 40 blocks)."""
+    while past its first tokens the sequence never holds more than the window's blocks and
+    two (160 tokens would take 40 blocks). The prompt's 10 blocks stay until its first
+    token (the kvstore write-back copies the whole prompt then)."""
     path, ref = mistral
     eng = make(path, prefix_cache=False)
     ids = [(7 * i) % 500 + 3 for i in range(40)]
-    (got,), peak = run(eng, [ids], 120)
+    (got,), peak = run(eng, [ids], 120, after=2 * WINDOW)
     assert got == hf_greedy(ref, ids, 120)
     assert peak <= WINDOW // BS + 3, peak
     assert eng.stats()["blocks_evicted"] >= 30
@@ -107,3 +111,21 @@ def test_a_model_with_a_full_attention_layer_keeps_every_block(tmp_path):
     assert eng.scheduler.window == 0
     (got,), peak = run(eng, [list(range(3, 43))], 40)
     assert peak >= 80 // BS and eng.stats()["blocks_evicted"] == 0
+
+
+def test_the_whole_prompt_is_there_for_the_kvstore_write_back(mistral):
+    """A prompt past window + chunk: at its first token (when decode copies a prompt it
+    computed to kvstore) every prompt block and key is still the sequence's; a write-back
+    of only the tail could never be hit (lookups match from the first block)."""
+    path, _ = mistral
+    eng = make(path)
+    ids = [(3 * i) % 500 + 3 for i in range(48)]
+    eng.add_request("r", ids, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    while not any(o.new_token_ids for o in eng.step()):
+        pass
+    blocks, keys = eng.port.computed_prompt_blocks("r")
+    assert len(keys) == len(blocks) == 48 // BS
+    assert blocks == eng.requests["r"].seq.block_table[:48 // BS]
+    eng.step()
+    eng.step()
+    assert eng.requests["r"].seq.num_evicted > 0         # and given back once past it
