@@ -167,7 +167,8 @@ def convert(out_dir: str | os.PathLike, gguf_path: str | os.PathLike | None = No
         print("[gguf_convert] [1/3] tokenizer and chat template ...", flush=True)
         from . import gguf_native
         native = gguf_native.reads(meta["architecture"])
-        _save_tokenizer(gguf_path, tmp_dir, EOS_TOKEN if bundled else None, native)
+        _save_tokenizer(gguf_path, tmp_dir, EOS_TOKEN if bundled else None,
+                        (meta["pre_tokenizer"] or "") if native else None)
         print(f"[gguf_convert] [2/3] tokenizer saved ({time.perf_counter() - t0:.1f}s); "
               "dequantizing the weights ...", flush=True)
         dtype = "float32" if meta["tensor_types"] <= {"F32"} else "bfloat16"
@@ -197,6 +198,18 @@ SAMPLING_KEYS = {"temp": "temperature", "top_p": "top_p", "top_k": "top_k", "min
                  "penalty_repeat": "repetition_penalty"}
 
 
+def field_value(reader, key: str):
+    """One scalar or string metadata value of a gguf.GGUFReader (None when absent)."""
+    import gguf
+
+    f = reader.fields.get(key)
+    if f is None or not f.data:
+        return None
+    v = f.parts[f.data[0]]
+    return bytes(v).decode() if f.types and f.types[0] == gguf.GGUFValueType.STRING \
+        else v.tolist()[0]
+
+
 def read_metadata(gguf_path: Path) -> dict:
     """What the converter needs from a GGUF's header: name, tensor types, sampling
     defaults (general.sampling.*; do_sample when a temperature is set)."""
@@ -205,12 +218,7 @@ def read_metadata(gguf_path: Path) -> dict:
     r = gguf.GGUFReader(str(gguf_path))
 
     def value(key):
-        f = r.fields.get(key)
-        if f is None or not f.data:
-            return None
-        v = f.parts[f.data[0]]
-        return bytes(v).decode() if f.types and f.types[0] == gguf.GGUFValueType.STRING \
-            else v.tolist()[0]
+        return field_value(r, key)
 
     sampling = {hf: value(f"general.sampling.{k}") for k, hf in SAMPLING_KEYS.items()}
     sampling = {k: (round(v, 6) if isinstance(v, float) else v)      # float32 in the file
@@ -226,6 +234,7 @@ def read_metadata(gguf_path: Path) -> dict:
     return {"name": value("general.name"), "architecture": arch,
             "head_dim": value(f"{arch}.attention.key_length"),
             "tensor_types": {t.tensor_type.name for t in r.tensors}, "sampling": sampling,
+            "pre_tokenizer": value("tokenizer.ggml.pre"),
             "quantization": engine_quantization(layer_elements)}
 
 
@@ -276,16 +285,16 @@ def write_sampling_defaults(folder: Path, sampling: dict | None = None) -> bool:
 
 
 def _save_tokenizer(gguf_path: Path, out_dir: Path, eos: str | None = None,
-                    native: bool = False) -> None:
+                    native_pre: str | None = None) -> None:
     """The tokenizer, chat template and special tokens the GGUF's metadata holds; eos: the
     end-of-sequence token it must have (the bundled model's), None to take its own.
-    native: an architecture transformers' GGUF config reader refuses (gguf_native); its
-    tokenizer metadata is read the same way, without the config."""
+    native_pre: for an architecture transformers' GGUF config reader refuses (gguf_native),
+    the file's pre-tokenizer name; its tokenizer is read without the config."""
     from transformers import AutoTokenizer
 
-    if native:
+    if native_pre is not None:
         from . import gguf_native
-        tok = gguf_native.load_tokenizer(gguf_path)
+        tok = gguf_native.load_tokenizer(gguf_path, native_pre)
     else:
         tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
                                             local_files_only=True)

@@ -12,18 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .gguf_convert import field_value
 from .loader import CheckpointError
-
-
-def _value(reader, key: str):
-    import gguf
-
-    f = reader.fields.get(key)
-    if f is None or not f.data:
-        return None
-    v = f.parts[f.data[0]]
-    return bytes(v).decode() if f.types and f.types[0] == gguf.GGUFValueType.STRING \
-        else v.tolist()[0]
 
 
 def glm4_config(get, tensors: dict) -> tuple[str, dict]:
@@ -59,16 +49,16 @@ def reads(arch: str | None) -> bool:
     return arch in ARCHS
 
 
-def load_tokenizer(gguf_path: Path):
+def load_tokenizer(gguf_path: Path, pre: str | None):
     """The tokenizer the metadata describes (transformers' GGUF tokenizer reader, which
-    needs no config), split as llama.cpp splits for pre-tokenizers that reader lacks."""
-    import gguf
+    needs no config), split as llama.cpp splits for pre-tokenizers (pre, the file's
+    tokenizer.ggml.pre) that reader lacks."""
     from tokenizers import Regex, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     tok = PreTrainedTokenizerFast.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
                                                   local_files_only=True)
-    split = SPLITS.get(_value(gguf.GGUFReader(str(gguf_path)), "tokenizer.ggml.pre"))
+    split = SPLITS.get(pre)
     if split is not None:
         tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(split), behavior="isolated"),
@@ -78,7 +68,7 @@ def load_tokenizer(gguf_path: Path):
 
 def stop_ids(reader, arch: str) -> list[int]:
     """eos, then eot/eom and the family's turn-ending tokens present in the vocabulary."""
-    ids = [_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    ids = [field_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     f = reader.fields.get("tokenizer.ggml.tokens")
     if f is not None:
         want = set(STOP_TOKENS.get(arch, ()))
@@ -95,14 +85,14 @@ def save_model(gguf_path: Path, out_dir: Path, dtype: str, name: str) -> None:
     from transformers import GenerationConfig
 
     r = gguf.GGUFReader(str(gguf_path))
-    arch = _value(r, "general.architecture")
+    arch = field_value(r, "general.architecture")
     tensors = {t.name: t for t in r.tensors}
-    scaling = _value(r, f"{arch}.rope.scaling.type")
+    scaling = field_value(r, f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         raise CheckpointError(f"{gguf_path.name}: {arch}.rope.scaling.type {scaling!r} is not "
                               "supported")
-    cls, fields = ARCHS[arch](lambda k: _value(r, f"{arch}.{k}"), tensors)
-    ids = {k: _value(r, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "padding")}
+    cls, fields = ARCHS[arch](lambda k: field_value(r, f"{arch}.{k}"), tensors)
+    ids = {k: field_value(r, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "padding")}
     stops = stop_ids(r, arch)
     eos = stops[0] if len(stops) == 1 else (stops or None)
     fields |= dict(vocab_size=int(tensors["token_embd.weight"].shape[-1]),
