@@ -146,7 +146,10 @@ def _fuzz(mesh, cases_dir: Path, batch: list[tuple[str, str]]) -> None:
                                  f"answer, gateway log) written to {case}")
 
 
-FUZZ = settings(deadline=None, database=None, print_blob=True,
+# make test's run draws the same bodies every time (derandomize: a seed fixed per test), so
+# a pass or a failure repeats; a stray draw once sent 200 /detokenize bodies, none valid, and
+# failed the "each route served some" bound. A long run (PDMESH_FUZZ_EXAMPLES) draws afresh.
+FUZZ = settings(deadline=None, database=None, print_blob=True, derandomize=not _LONG,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.function_scoped_fixture])
 
