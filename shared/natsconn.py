@@ -19,6 +19,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 from urllib.parse import urlsplit
 
+from shared import pongs
+
 INBOX = "_INBOX"
 
 
@@ -80,7 +82,9 @@ class NatsAuth:
 def connect_kwargs(url: str | list[str], auth: NatsAuth | None = None) -> dict[str, Any]:
     """servers=[...] plus the identity and TLS options. With a CA, nats:// URLs become
     tls:// (the server requires TLS anyway; this makes the client insist on it too).
-    A user given in the URL (nats://debug:pw@host) keeps the matching inbox prefix."""
+    A user given in the URL (nats://debug:pw@host) keeps the matching inbox prefix. Every
+    pdmesh connection is made with these, so nats-py's PONG fix goes in here (pongs.py)."""
+    pongs.install()
     auth = auth or NatsAuth()
     urls = servers(url)
     if auth.tls_ca:

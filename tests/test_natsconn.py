@@ -44,3 +44,48 @@ def test_every_service_takes_its_nats_identity(service, monkeypatch):
     monkeypatch.setenv("PDMESH_MODEL", "m")
     cfg = load(cls, argv=["--nats-tls-ca", "/ca.pem"])
     assert cfg.nats == NatsAuth(user=service, tls_ca="/ca.pem")
+
+
+async def test_a_cancelled_flush_does_not_stop_the_connection_reading(tmp_path, caplog):
+    """A flush() cancelled before its PONG (a timeout around micro.collect, a shutdown) left
+    nats-py's read loop dead: the PONG raised InvalidStateError there and nothing was read
+    again, so the request after it timed out. Every connection made with connect_kwargs
+    takes the fix (shared/pongs.py)."""
+    import asyncio
+    import logging
+    import subprocess
+
+    import nats
+
+    from pdmesh.local.launch import free_port, nats_server_binary
+
+    port = free_port()
+    server = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        kw = connect_kwargs(f"nats://127.0.0.1:{port}")
+        for _ in range(50):
+            try:
+                nc, echo = await nats.connect(**kw), await nats.connect(**kw)
+                break
+            except Exception:  # noqa: BLE001 - the server is still starting
+                await asyncio.sleep(0.1)
+
+        async def answer(msg):
+            await msg.respond(msg.data)
+        await echo.subscribe("echo", cb=answer)
+        await echo.flush()
+        caplog.set_level(logging.ERROR, logger="nats.aio.client")
+        seen = len(caplog.records)             # (connecting while the server started logs)
+        for _ in range(3):
+            flush = asyncio.create_task(nc.flush())
+            await asyncio.sleep(0)                 # its PING is sent; the PONG is on its way
+            flush.cancel()
+        reply = await nc.request("echo", b"still reading", timeout=3)
+        assert reply.data == b"still reading"
+        assert not [r for r in caplog.records[seen:] if r.name == "nats.aio.client"]
+        await nc.close()
+        await echo.close()
+    finally:
+        server.terminate()
+        server.wait(10)
