@@ -3,6 +3,9 @@ PY      ?= python3.11
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
+# make test's pytest workers, each given whole modules (--dist loadfile: a module's mesh
+# stays in one process); 0 runs in this process, as plain pytest does
+TEST_WORKERS ?= 2
 MODEL_DIR ?= $(HOME)/.cache/pdmesh/models/SmolLM2-135M-Instruct
 
 .PHONY: venv constraints run test test-fast bench train-models smollm2 clean
@@ -34,7 +37,7 @@ test: venv
 	@# tests/test_compose.py validates compose.yaml with Debian's docker-compose (no engine needed)
 	@command -v docker-compose >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq docker-compose; }
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 bench: smollm2
 	$(BIN)/python scripts/bench_engine.py --model $(MODEL_DIR)

@@ -50,3 +50,14 @@ def smollm2() -> Path:
 
     convert(SMOLLM2_DIR)
     return SMOLLM2_DIR
+
+
+# modules that wait mostly on I/O (image build, package downloads) for minutes: run first,
+# so that under make test's two workers (pytest-xdist) they overlap the other worker's
+# CPU-bound modules instead of ending the run alone
+FIRST = ("tests/e2e/test_compose_up.py", "tests/e2e/test_install.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {m: i for i, m in enumerate(FIRST)}
+    items.sort(key=lambda it: rank.get(it.nodeid.split("::")[0], len(FIRST)))

@@ -125,11 +125,7 @@ def cached_folder(gguf_path: str | os.PathLike) -> Path:
     out = root / f"{gguf_path.stem}-{gguf_path.stat().st_size}" / gguf_path.stem
     if is_converted(out, None, gguf_path):
         return record_quantization(out, gguf_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / ".lock", "w") as lock, _locked(lock):
-        if not is_converted(out, None, gguf_path):
-            convert(out, gguf_path)
-    return out
+    return convert(out, gguf_path)
 
 
 @contextlib.contextmanager
@@ -143,8 +139,16 @@ def _locked(f):
 
 def convert(out_dir: str | os.PathLike, gguf_path: str | os.PathLike | None = None,
             force: bool = False) -> Path:
-    """Convert the GGUF into `out_dir` unless it already holds this GGUF's conversion."""
+    """Convert the GGUF into `out_dir` unless it already holds this GGUF's conversion; under
+    a lock beside out_dir, so processes starting together (services, test workers) convert
+    it once and the others wait for it."""
     out_dir = Path(out_dir).expanduser()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_dir.parent / f".{out_dir.name}.lock", "w") as lock, _locked(lock):
+        return _convert(out_dir, gguf_path, force)
+
+
+def _convert(out_dir: Path, gguf_path: str | os.PathLike | None, force: bool) -> Path:
     bundled = gguf_path is None
     gguf_path = Path(gguf_path) if gguf_path is not None else find_gguf()
     t0 = time.perf_counter()

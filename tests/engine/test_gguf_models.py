@@ -243,3 +243,29 @@ def test_a_glm4_gguf_splits_and_stops_as_llama_cpp_reads_it(tiny_target, tmp_pat
     gen = json.loads((folder / "generation_config.json").read_text())
     assert eot in gen["eos_token_id"]
     assert eot in engine(g).tokenizer.eos_token_ids
+
+
+def test_processes_converting_the_same_gguf_together_convert_it_once(tiny_target, tmp_path,
+                                                                     capsys):
+    """Services (or make test's workers) that start together on a GGUF not yet converted:
+    one converts, the others wait on the lock beside the folder and find it done."""
+    import threading
+
+    from shared.engine.gguf_convert import convert
+
+    g = write_gguf(tiny_target, tmp_path / "tiny.gguf")
+    out = tmp_path / "models" / "tiny"
+    start = threading.Barrier(3)
+
+    def run():
+        start.wait()
+        convert(out, g)
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    printed = capsys.readouterr().out
+    assert printed.count("[gguf_convert] converting") == 1, printed
+    assert printed.count(" already holds ") == 2, printed
+    assert (resolve(str(out)) / "model.safetensors").is_file()
