@@ -276,6 +276,9 @@ class Cluster:
         self.tmp = Path(tempfile.mkdtemp(prefix="pdmesh-"))
         if self.log_dir:
             self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self.counts["gateway"]:     # bound now: port 0 takes a free port with no window in
+            self._sock = listen_socket(self.host, self.port)   # which another process takes it
+            self.port = self._sock.getsockname()[1]
         self.port = self.port or free_port()
         if self.nats_auth or self.nats_tls:
             self.secrets = Secrets.create(self.tmp / "secrets", auth=self.nats_auth,
