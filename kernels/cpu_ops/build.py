@@ -9,16 +9,22 @@ then uses the torch path rather than die on an illegal instruction. AMX is never
 (some kernels list it without granting it). A build already there is loaded as it is,
 with no compiler (the image's final stage has none). `make venv`
 builds it (`python -m kernels.cpu_ops`); a process that finds no build compiles it then
-(~1 min on 2 cores; concurrent processes wait on torch's lock in that folder). No compiler,
-or PDMESH_CPU_EXT=0: load() returns None and the callers use the torch reference.
+(~1 min on 2 cores). Concurrent processes take turns on an fcntl lock beside that folder,
+which the kernel drops when its holder dies; torch's own lock file in the folder is only ever
+taken under it, so one found there was left by a process killed mid-load (a SIGKILLed
+service, a timed-out install) and is removed: otherwise every later process would wait on it
+forever. No compiler, or PDMESH_CPU_EXT=0: load() returns None and the callers use the torch
+reference.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -85,6 +91,24 @@ def load():
     return _cache["mod"]
 
 
+@contextmanager
+def build_lock(out: Path):
+    """Hold the build of `out` alone (an fcntl lock on `<out>.flock`, released by the
+    kernel if this process dies); torch's lock file found inside is stale, and removed."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".flock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = out / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a process that died while loading the "
+                            "C++ CPU ops", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _prebuilt(out: Path):
     """The module already built in out, imported as it is (no compiler, no ninja)."""
     import importlib.machinery
@@ -137,10 +161,11 @@ def _build():
     if fresh:
         log.info("building the C++ CPU ops in %s (once)", out)
     try:
-        mod = cpp_extension.load(name="pdmesh_cpu_ops", sources=[str(p) for p in SOURCES],
-                                 build_directory=str(out),
-                                 extra_cflags=["-O3", f"-march={target}", *NO_AMX],
-                                 verbose=False)
+        with build_lock(out):
+            mod = cpp_extension.load(name="pdmesh_cpu_ops", sources=[str(p) for p in SOURCES],
+                                     build_directory=str(out),
+                                     extra_cflags=["-O3", f"-march={target}", *NO_AMX],
+                                     verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler / ninja: the torch path serves
         log.warning("C++ CPU ops unavailable (%s); using the torch path", e)
         return None
