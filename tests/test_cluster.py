@@ -78,7 +78,7 @@ def test_unknown_setting_is_refused_before_anything_starts():
 def test_instance_overrides_apply_to_that_instance_only():
     c = Cluster(model="unused", decode=2, echo=False,
                 overrides={"decode": {"num_blocks": 64}, "decode-0": {"fault_repeat_loop": True}})
-    first, second = c._new_proc("decode"), c._new_proc("decode")   # argv only, not started
+    first, second = c.new_proc("decode"), c.new_proc("decode")   # argv only, not started
     assert "--fault-repeat-loop" in first.argv and "--fault-repeat-loop" not in second.argv
     assert all("--num-blocks" in p.argv for p in (first, second))
     with pytest.raises(ValueError, match="unknown service or instance"):

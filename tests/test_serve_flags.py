@@ -36,7 +36,7 @@ def test_bare_up_runs_the_fast_configuration():
                                "prefill": {"quantize": "auto"}}
     assert kwargs("serve") == kw
     c = Cluster(**(kw | {"model": "unused", "echo": False}))   # argv only, not started
-    argv = c._new_proc("decode").argv
+    argv = c.new_proc("decode").argv
     assert argv[argv.index("--quantize") + 1] == "auto" and "--head-split" in argv
     assert argv[argv.index("--spec-method") + 1] == "ngram"
     assert argv[argv.index("--spec-max-batch") + 1] == "2"

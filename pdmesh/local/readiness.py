@@ -3,10 +3,32 @@ answers 200 (every path usable) and a $SRV.PING finds every instance that should
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from pdmesh.local.launch import ClusterError
 from pdmesh.local.procs import Proc
+
+
+async def wait_ready(procs: Mapping[str, Proc], url: str, nats_options: dict[str, Any],
+                     timeout_s: float, check_alive: Callable[[list[str]], None]) -> None:
+    """Until missing() is empty; ClusterError after timeout_s, with the missing children's
+    last lines. check_alive(names of the children not asked to exit) raises to fail early."""
+    import aiohttp
+
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
+        while True:
+            check_alive([n for n, p in procs.items() if not p.expected_exit])
+            gone = await missing(procs.values(), http, url, nats_options)
+            if not gone:
+                return
+            if time.monotonic() > deadline:
+                raise ClusterError(f"not ready after {timeout_s:.0f}s: {', '.join(gone)}\n"
+                                   + "\n".join(f"--- {n}\n{procs[n].tail(15)}"
+                                               for n in gone if n in procs))
+            await asyncio.sleep(0.5)
 
 
 async def missing(procs: Iterable[Proc], http, url: str, nats_options: dict[str, Any]

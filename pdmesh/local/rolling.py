@@ -32,9 +32,9 @@ async def restart_service(cluster, service: str, report: Callable[[str], None]) 
     if service == "nats":
         for name in names:
             report(f"{name}: restarting")
-            await cluster.nats.restart([name], cluster._emit, cluster.log_dir)
+            await cluster.nats.restart([name], cluster.emit, cluster.log_dir)
             await cluster.nats.wait_jetstream(60.0)
-            await cluster._wait_ready(cluster.startup_timeout_s)
+            await cluster.until_ready()
             report(f"{name}: back")
         return
     grouped = service == "prefill" and cluster.prefill_group > 0
@@ -43,10 +43,10 @@ async def restart_service(cluster, service: str, report: Callable[[str], None]) 
         old = cluster.procs[name]
         t0 = time.monotonic()
         if surge and not grouped:
-            new = cluster._new_proc(service)
+            new = cluster.new_proc(service)
             report(f"{name}: starting its successor {new.name}")
-            new.spawn(cluster._emit, cluster.log_dir)
-            await cluster._wait_ready(cluster.startup_timeout_s)
+            new.spawn(cluster.emit, cluster.log_dir)
+            await cluster.until_ready()
             if service == "gateway":
                 await _listening(new, cluster.startup_timeout_s)
             report(f"{name}: draining")
@@ -56,8 +56,8 @@ async def restart_service(cluster, service: str, report: Callable[[str], None]) 
         else:
             report(f"{name}: draining")
             await old.terminate(DRAIN_S)
-            old.spawn(cluster._emit, cluster.log_dir)
-            await cluster._wait_ready(cluster.startup_timeout_s)
+            old.spawn(cluster.emit, cluster.log_dir)
+            await cluster.until_ready()
             report(f"{name}: restarted and ready in {time.monotonic() - t0:.1f} s")
         if cluster.on_start is not None:
             cluster.on_start(cluster.procs.get(name) or new)

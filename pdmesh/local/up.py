@@ -44,7 +44,7 @@ def run(args) -> int:
     code = 0
     try:
         cluster.start()
-        cluster._sup.call(control.serve(cluster, cluster.tmp / "control.sock"))
+        cluster.call(control.serve(cluster, cluster.tmp / "control.sock"))
         cluster.on_start = lambda _p: publish(cluster)
         publish(cluster)
         _print_ready(cluster)
