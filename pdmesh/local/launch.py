@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import random
 import shutil
 import socket
 import sys
@@ -54,7 +55,32 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return s
 
 
+PORT_FLOOR = 20000          # free_port draws from here up to the ephemeral range
+_draw = random.SystemRandom()   # not the global generator: a seeded one repeats its draws
+
+
+def ephemeral_low() -> int:
+    """Where the kernel's ephemeral ports begin (outgoing connections and bind(port 0))."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now, for a server that binds it a moment later (or again
+    after a restart). Drawn at random below the ephemeral range: no outgoing connection of
+    this machine's can take it in between, as one could take a port 0 bind handed out, and
+    two launchers at once (two test workers, two meshes) rarely draw the same one."""
+    low = ephemeral_low()
+    for _ in range(64 if low - PORT_FLOOR >= 1000 else 0):
+        port = _draw.randrange(PORT_FLOOR, low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

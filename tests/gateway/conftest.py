@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from pdmesh.local.launch import free_port
 from tests.conftest import SMOLLM2_DIR, TINY_TARGET
 
 
@@ -37,12 +38,6 @@ def spec(gateway_model_dir):
     return ModelSpec.load(GatewayConfig(model=str(gateway_model_dir)))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def _provision(url: str) -> None:
     """The job stream, as pdmesh up's keeper makes it (services only wait for it)."""
     from pdmesh.deploy.streamkeeper import StreamKeeper
@@ -58,7 +53,7 @@ def nats_url(tmp_path_factory):
     binary = str(binary) if binary.exists() else shutil.which("nats-server")
     if not binary:
         pytest.skip("nats-server binary not found")
-    port = _free_port()
+    port = free_port()
     store = tmp_path_factory.mktemp("nats")
     proc = subprocess.Popen([binary, "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -8,22 +8,17 @@ from __future__ import annotations
 import multiprocessing as mp
 import random
 import shutil
-import socket
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from pdmesh.local.launch import free_port
+
 from .ranks import make_rank, prefill, settle, wait_ready
 
 MODEL = "models/tiny-target"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def contexts(n: int = 3, ctx: int = 200, tail: int = 20, seed: int = 5) -> list[list[int]]:
@@ -61,7 +56,7 @@ def _store_worker(rank: int, size: int, port: int, filled, out) -> None:
 def _run(target, size: int, *args, timeout: float = 120.0) -> list:
     ctx = mp.get_context("spawn")
     q, filled = ctx.Queue(), ctx.Event()
-    port = _port()
+    port = free_port()
     ps = [ctx.Process(target=target, args=(r, size, port, *args, filled, q))
           for r in range(size)]
     for p in ps:
@@ -200,7 +195,7 @@ def test_store_host_dies_and_restarts():
     re-forms and hits again."""
     ctx = mp.get_context("spawn")
     q, filled, killed, refilled = ctx.Queue(), ctx.Event(), ctx.Event(), ctx.Event()
-    port = _port()
+    port = free_port()
     host = ctx.Process(target=_host_worker, args=(0, 2, port, filled, q))
     surv = ctx.Process(target=_survivor, args=(1, 2, port, filled, killed, refilled, q))
     host.start()
