@@ -43,26 +43,37 @@ def consumer_config(ack_wait_s: float, max_deliver: int, max_ack_pending: int) -
                           max_ack_pending=max_ack_pending)
 
 
+FIRST_TRY_S = 1.0                # publish_job's first wait for a PubAck; doubled per try
+
+
 async def publish_job(js: JetStreamContext, data: bytes, *, timeout: float = 5.0,
-                      retry_s: float = PUBLISH_RETRY_S, msg_id: str | None = None) -> PubAck:
+                      retry_s: float = PUBLISH_RETRY_S, msg_id: str | None = None,
+                      first_try_s: float = FIRST_TRY_S) -> PubAck:
     """Queue one prefill job. No stream (its store was lost: the admin re-creates it) or
     no answer (a node died, a leader election): publish again. Every try carries the same
-    Nats-Msg-Id, so the stream keeps one copy however many tries reached it. Raises the
-    last error after retry_s; a full queue (a limit hit) raises at once."""
+    Nats-Msg-Id, so the stream keeps one copy however many tries reached it. A try waits
+    first_try_s for its PubAck, each next one twice as long up to `timeout`: an ack lost
+    with a node (its job stored, its answer gone) costs one short wait, not a long one (a
+    job queued as a NATS node died waited 11 s for its prefill). Raises the last error
+    after retry_s; a full queue (a limit hit) raises at once."""
     headers = {"Nats-Msg-Id": msg_id or uuid.uuid4().hex}
     deadline = time.monotonic() + retry_s
+    wait = min(first_try_s, timeout)
     while True:
         try:
-            return await js.publish(subjects.prefill_jobs(), data, timeout=timeout,
+            return await js.publish(subjects.prefill_jobs(), data, timeout=wait,
                                     headers=headers)
         except (NoStreamResponseError, NotFoundError, nats.errors.NoRespondersError) as e:
             if time.monotonic() > deadline:
                 raise
             log.warning("no job stream answered (%s): trying again", type(e).__name__)
         except (nats.errors.TimeoutError, asyncio.TimeoutError,
-                nats.errors.ConnectionReconnectingError, nats.errors.ConnectionClosedError):
+                nats.errors.ConnectionReconnectingError, nats.errors.ConnectionClosedError) as e:
             if time.monotonic() > deadline:
                 raise
+            log.info("no PubAck for a job in %.1f s (%s): publishing it again", wait,
+                     type(e).__name__)
+            wait = min(wait * 2, timeout)
         except APIError as e:
             if e.code != 503 or time.monotonic() > deadline:   # 503: no quorum right now
                 raise
