@@ -1,10 +1,8 @@
 """A real nats-server with pdmesh's generated users and permissions (pdmesh/deploy/creds.py)."""
 from __future__ import annotations
 
-import subprocess
-
 from pdmesh.deploy.creds import Secrets
-from pdmesh.local.cluster import nats_server_binary
+from tests import natsserver
 
 
 class AuthServer:
@@ -12,15 +10,11 @@ class AuthServer:
     connection records the permission violations the server reports to it."""
 
     def __init__(self, tmp_path):
-        from pdmesh.local.cluster import free_port
-
         self.secrets = Secrets.create(tmp_path / "creds")
-        self.port = free_port()
-        conf = tmp_path / "n.conf"
-        conf.write_text(f"listen: 127.0.0.1:{self.port}\ninclude \"creds/auth.conf\"\n"
+        conf = tmp_path / "n.conf"          # its port: natsserver's (-p -1, read back)
+        conf.write_text(f"include \"creds/auth.conf\"\n"
                         f"jetstream {{ store_dir: \"{tmp_path / 'js'}\" }}\n")
-        self.proc = subprocess.Popen([nats_server_binary(), "-c", str(conf)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc, self.port = natsserver.start("-c", str(conf))
         self.violations: list[str] = []
 
     async def connect(self, user: str):

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import subprocess
 
 import nats
 
-from pdmesh.local.launch import free_port, nats_server_binary
 from shared import jobqueue, jobstream, subjects
 from shared.natsconn import connect_kwargs
+from tests import natsserver
 
 
 class CuttingRelay:
@@ -54,10 +53,7 @@ class CuttingRelay:
 
 
 async def test_a_lost_pub_ack_costs_one_short_try_and_the_job_is_stored_once(caplog, tmp_path):
-    port = free_port()
-    server = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-js",
-                               "-sd", str(tmp_path)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server, port = natsserver.start("-js", "-sd", str(tmp_path))
     try:
         for _ in range(50):
             try:

@@ -53,15 +53,12 @@ async def test_a_cancelled_flush_does_not_stop_the_connection_reading(tmp_path, 
     takes the fix (shared/pongs.py)."""
     import asyncio
     import logging
-    import subprocess
 
     import nats
 
-    from pdmesh.local.launch import free_port, nats_server_binary
+    from tests import natsserver
 
-    port = free_port()
-    server = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server, port = natsserver.start()
     try:
         kw = connect_kwargs(f"nats://127.0.0.1:{port}")
         for _ in range(50):
@@ -89,3 +86,31 @@ async def test_a_cancelled_flush_does_not_stop_the_connection_reading(tmp_path, 
     finally:
         server.terminate()
         server.wait(10)
+
+
+async def test_a_flush_reaches_the_server_after_what_was_sent_before_it():
+    """subscribe() then flush(): the server must read the SUB before the flush's PING, or
+    its PONG can come back before the subscription exists (a request right after it then
+    got "no responders" on a loaded machine). The bytes the client writes, in order."""
+    import nats
+
+    from tests import natsserver
+
+    server, port = natsserver.start()
+    try:
+        nc = await nats.connect(**connect_kwargs(f"nats://127.0.0.1:{port}"))
+        written: list[bytes] = []
+        transport = nc._transport
+        write, writelines = transport.write, transport.writelines
+        transport.write = lambda data: (written.append(bytes(data)), write(data))[1]
+        transport.writelines = lambda items: (written.extend(bytes(b) for b in items),
+                                              writelines(items))[1]
+        await nc.subscribe("ordered")
+        await nc.flush()
+        await nc.close()
+    finally:
+        server.terminate()
+        server.wait(10)
+    stream = b"".join(written)
+    assert b"SUB ordered" in stream and b"PING\r\n" in stream
+    assert stream.index(b"SUB ordered") < stream.index(b"PING\r\n"), written

@@ -3,16 +3,12 @@ nats-server on a free port."""
 from __future__ import annotations
 
 import asyncio
-import shutil
-import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from pdmesh.local.launch import free_port
+from tests import natsserver
 from tests.conftest import SMOLLM2_DIR, TINY_TARGET
 
 
@@ -49,24 +45,8 @@ async def _provision(url: str) -> None:
 
 @pytest.fixture(scope="module")
 def nats_url(tmp_path_factory):
-    binary = Path(sys.executable).parent / "nats-server"
-    binary = str(binary) if binary.exists() else shutil.which("nats-server")
-    if not binary:
-        pytest.skip("nats-server binary not found")
-    port = free_port()
     store = tmp_path_factory.mktemp("nats")
-    proc = subprocess.Popen([binary, "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError("nats-server did not start")
-            time.sleep(0.05)
+    proc, port = natsserver.start("-js", "-sd", str(store))
     url = f"nats://127.0.0.1:{port}"
     asyncio.run(_provision(url))
     yield url

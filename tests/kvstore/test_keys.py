@@ -5,27 +5,24 @@ would send it."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
 
 import nats
 import pytest
 import torch
 
-from pdmesh.local.launch import free_port, nats_server_binary
 from services.kvstore.config import KvstoreConfig
 from services.kvstore.service import KvstoreService
 from shared import subjects
 from shared.contracts.kvcache import KvPut
 from shared.kv import wire
+from tests import natsserver
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
 def nats_url(tmp_path):
-    port = free_port()
-    proc = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc, port = natsserver.start()
     yield f"nats://127.0.0.1:{port}"
     proc.terminate()
     proc.wait(10)
