@@ -31,7 +31,8 @@ import torch
 
 log = logging.getLogger("pdmesh.kernels")
 SOURCE = Path(__file__).with_name("ops.cpp")
-SOURCES = (SOURCE, Path(__file__).with_name("kv_copy.cpp"))
+SOURCES = (SOURCE, *(Path(__file__).with_name(f) for f in ("kv_copy.cpp", "int4_gemv.cpp",
+                                                           "int8_gemv.cpp")))
 _cache: dict[str, object] = {}
 _lock = threading.Lock()
 

@@ -301,6 +301,16 @@ void kv_gather(const torch::Tensor& kv, const std::vector<int64_t>& ids, int64_t
 void kv_scatter(torch::Tensor& kv, const std::vector<int64_t>& ids, int64_t l0, int64_t l1,
                 py::buffer payload);
 
+// int4_gemv.cpp: the int4 weight's matmul at a few rows
+bool int4_simd();
+torch::Tensor int4_gemv(const torch::Tensor& x, const torch::Tensor& codes,
+                        const torch::Tensor& scale, const torch::Tensor& zero);
+torch::Tensor int4_dequant(const torch::Tensor& codes, const torch::Tensor& scale,
+                           const torch::Tensor& zero);
+// int8_gemv.cpp: the int8 weight's (the LM head's) matmul at a few rows
+bool int8_simd();
+torch::Tensor int8_gemv(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_rows", &quant_rows, "int8 (or uint8 + 128) rows + float32 row scales",
         py::arg("x"), py::arg("inv") = py::none(), py::arg("u8") = false);
@@ -309,5 +319,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("slots_causal", &slots_causal, "n rows, each as its own decode row, in place");
   m.def("dequant_rows", &dequant_rows, "int32 GEMM result * sx[m] * sw[n] -> dtype");
   m.def("kv_gather", &kv_gather, "pool blocks x layers -> a KV write's payload buffer");
+  m.def("int4_simd", &int4_simd, "whether int4_gemv was built with AVX512-BF16");
+  m.def("int4_gemv", &int4_gemv, "x @ w.T on gemv-packed int4 codes, bfloat16 scale and zero");
+  m.def("int4_dequant", &int4_dequant, "gemv-packed int4 codes -> the bfloat16 weight");
+  m.def("int8_simd", &int8_simd, "whether int8_gemv was built with AVX-512");
+  m.def("int8_gemv", &int8_gemv, "x @ w.T on an int8 weight with per-output scales");
   m.def("kv_scatter", &kv_scatter, "a KV write's payload -> pool blocks x layers, in place");
 }

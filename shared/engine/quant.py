@@ -1,15 +1,20 @@
 """Weight-only quantization of the linear layers, in the style of gpt-fast.
 
   int8   per output channel, symmetric: w ~= q * scale, q in [-127, 127]; the matmul is
-         torch's `_weight_int8pack_mm` (activations stay in the model dtype).
+         kernels/cpu_ops/int8_gemv.cpp up to 5 rows on an AVX-512 CPU (the LM head of a
+         decode step at ~2x), torch's `_weight_int8pack_mm` otherwise (activations stay
+         in the model dtype).
   int4   groups of `group_size` input channels (32, as the GGUF's Q4_1), asymmetric:
-         w ~= (q - 8) * scale + zero, q in [0, 15]; torch's `_weight_int4pack_mm_for_cpu`
-         on CPU (`_weight_int4pack_mm` on CUDA). Q4_1 stores w = q * d + m per group of 32,
-         which is this grid with scale = d, zero = m + 8d; Q4_0 stores w = (q - 8) d, the
-         grid with zero = 0. Each group takes whichever of the two fits it better
-         (int4_codes), so re-quantizing weights converted from a Q4_0 or Q4_1 GGUF
-         recovers llama.cpp's own weights (up to bf16 rounding of the scales). The LM
-         head stays int8 in this mode, as the GGUF keeps token_embd in Q8_0.
+         w ~= (q - 8) * scale + zero, q in [0, 15]; on a CPU with AVX512-BF16,
+         kernels/cpu_ops/int4_gemv.cpp for up to 5 rows (a decode step at 1.4-1.7x torch's
+         int4 kernel: the batch-1 matmul is bandwidth-bound) and torch's bfloat16 GEMM on
+         the dequantized weight from 6 rows (prefill, 2.5x at 256 rows); elsewhere torch's
+         `_weight_int4pack_mm_for_cpu` (`_weight_int4pack_mm` on CUDA). Q4_1 stores
+         w = q * d + m per group of 32, which is this grid with scale = d, zero = m + 8d;
+         Q4_0 stores w = (q - 8) d, the grid with zero = 0. Each group takes whichever of
+         the two fits it better (int4_codes), so re-quantizing weights converted from a
+         Q4_0 or Q4_1 GGUF recovers llama.cpp's own weights (up to bf16 rounding of the
+         scales). The LM head stays int8 in this mode, as the GGUF keeps token_embd in Q8_0.
 
 torch's CPU kernels are vectorized for bfloat16 activations, not float32 (30-100x slower):
 a float32 model's quantized matmuls take bfloat16 activations and scales, the result goes
@@ -27,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_ops import dequant_rows, quant_rows
+from kernels.cpu_ops.gemv import GEMV_MAX_ROWS, Int4Packed, gemv_ready, int8_gemv, int8_gemv_ready
 
 MODES = ("", "int8", "int4")
 A8_MIN_ROWS = 6        # act_int8: forwards of at least this many rows take int8 activations
@@ -41,7 +47,7 @@ class Int8Weight:
     the bfloat16-activation kernel's throughput from 32 rows on; fewer rows (a batch-1
     decode step, bandwidth-bound) keep that kernel. Deterministic mode pads every forward
     to a fixed number of rows, so its numerics still do not depend on the batch."""
-    __slots__ = ("q", "scale", "scale_f", "a8", "packed", "_ones", "_zps")
+    __slots__ = ("q", "scale", "scale_f", "a8", "packed", "_ones", "_zps", "gemv")
 
     def __init__(self, w: torch.Tensor, a8: bool = False):
         wf = w.float()
@@ -49,6 +55,7 @@ class Int8Weight:
         self.q = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
         self.scale = scale.to(_act(w.dtype, w.is_cuda))
         self.a8 = a8 and not w.is_cuda
+        self.gemv = not w.is_cuda and int8_gemv_ready()   # up to GEMV_MAX_ROWS rows
         self.scale_f = scale if self.a8 else None
         self.packed = _prepack(self.q) if self.a8 else None
         if self.packed is not None:   # the GEMM's own scales stay 1: its float32 output is
@@ -68,6 +75,8 @@ class Int8Weight:
             return F.linear(x, self.q.to(x.dtype)) * self.scale.to(x.dtype)
         if self.a8 and x.shape[0] >= A8_MIN_ROWS:
             return self.mm_a8(x)
+        if self.gemv and x.shape[0] <= GEMV_MAX_ROWS:
+            return int8_gemv(x, self.q, self.scale)
         return torch.ops.aten._weight_int8pack_mm(x.to(self.scale.dtype), self.q,
                                                   self.scale).to(x.dtype)
 
@@ -127,7 +136,8 @@ def int4_codes(w: torch.Tensor, group: int = INT4_GROUP):
 
 
 class Int4Weight:
-    __slots__ = ("packed", "scales_zeros", "group", "out_features", "in_features", "_dq", "i8")
+    __slots__ = ("packed", "scales_zeros", "group", "out_features", "in_features", "_dq", "i8",
+                 "gemv")
 
     def __init__(self, w: torch.Tensor, group: int = INT4_GROUP, inner_k_tiles: int = 1,
                  a8: bool = False):
@@ -136,10 +146,15 @@ class Int4Weight:
         n, k = w.shape
         self.i8 = Int8Weight(w, a8=True) if a8 and not w.is_cuda else None
         q, scale, zero = int4_codes(w, group)
+        self.group, self.out_features, self.in_features = group, n, k
+        self._dq, self.gemv = None, None
+        if (not w.is_cuda and w.dtype in (torch.float32, torch.bfloat16) and group == 32
+                and k % 64 == 0 and gemv_ready()):   # the C++ kernel's own layout
+            self.gemv = Int4Packed(q, scale[..., 0], zero[..., 0])
+            self.packed = self.scales_zeros = None
+            return
         sz = torch.cat([scale, zero], dim=-1)                     # [n, k/g, 2]
         self.scales_zeros = sz.transpose(0, 1).contiguous().to(_act(w.dtype, w.is_cuda))
-        self.group, self.out_features, self.in_features = group, n, k
-        self._dq = None
         if w.is_cuda:   # the CUDA packing (unverified); dequantized fallback if missing
             try:
                 qu8 = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
@@ -161,6 +176,8 @@ class Int4Weight:
 
     @property
     def nbytes(self) -> int:
+        if self.gemv is not None:
+            return self.gemv.nbytes
         if self._dq is not None:
             return self._dq.numel() * self._dq.element_size()
         return (self.out_features * self.in_features) // 2 + (
@@ -171,6 +188,8 @@ class Int4Weight:
             return F.linear(x, self._dq)
         if self.i8 is not None and x.shape[0] >= A8_MIN_ROWS:
             return self.i8.mm(x)
+        if self.gemv is not None:
+            return self.gemv.mm(x)
         return self._mm4(x)
 
     def _mm4(self, x: torch.Tensor) -> torch.Tensor:
@@ -182,6 +201,8 @@ class Int4Weight:
             x.to(self.scales_zeros.dtype), self.packed, self.group, self.scales_zeros).to(x.dtype)
 
     def dequantize(self) -> torch.Tensor:
+        if self.gemv is not None:
+            return self.gemv.dequantize()
         eye = torch.eye(self.in_features, dtype=self.scales_zeros.dtype,
                         device=self.scales_zeros.device)
         return self._mm4(eye).T.contiguous()

@@ -1,0 +1,109 @@
+"""The C++ matmuls of a few rows (int4_gemv.cpp, int8_gemv.cpp): a decode step's, which
+is bandwidth-bound and where torch's weight-only kernels reach about half of what a core
+streams. The int4 weight has its own layout (below); the int8 weight is Int8Weight's own.
+
+codes [N, K/2] uint8: each 64 inputs (groups 2b and 2b + 1 of 32) are 32 bytes, byte i
+holding input i of the first group in its low nibble and input i of the second in its high
+nibble: one zero-extension and two bit operations turn them into 64 bfloat16 words.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels.cpu_ops.build import load
+
+GROUP = 32
+
+
+def gemv_ready() -> bool:
+    """Whether int4_gemv runs here (built with AVX512-BF16); else torch's int4 kernel
+    serves the int4 weights (also with PDMESH_CPU_GEMV=0: A/B runs)."""
+    mod = _mod()
+    return mod is not None and mod.int4_simd()
+
+
+def int8_gemv_ready() -> bool:
+    """Whether int8_gemv runs here (built with AVX-512); else torch's int8 kernel serves."""
+    mod = _mod()
+    return mod is not None and mod.int8_simd()
+
+
+def _mod():
+    return None if os.environ.get("PDMESH_CPU_GEMV", "1") == "0" else load()
+
+
+def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (float32 | bfloat16, rounded to bfloat16 as torch's int8 kernel takes it)
+    @ (q [N, K] int8 * scale [N]).T, in x's dtype."""
+    return load().int8_gemv(x.contiguous(), q, scale)
+
+
+def gemv_pack(q: torch.Tensor) -> torch.Tensor:
+    """Codes q [N, K] (0..15, K a multiple of 64) -> [N, K/2] uint8 in the kernel's order."""
+    n, k = q.shape
+    if k % 64:
+        raise ValueError(f"int4 gemv: in_features {k} is not a multiple of 64")
+    b = q.to(torch.uint8).reshape(n, k // 64, 2, 32)            # block, group, input
+    return (b[:, :, 0] | (b[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+def gemv_unpack(codes: torch.Tensor) -> torch.Tensor:
+    """gemv_pack's inverse: [N, K/2] uint8 -> codes [N, K] int32."""
+    n, half = codes.shape
+    b = codes.reshape(n, half // 32, 1, 32)
+    return torch.cat([b & 0xF, b >> 4], dim=2).reshape(n, half * 2).to(torch.int32)
+
+def int4_gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+              zero: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (float32 | bfloat16) @ w.T, w = (q - 8) * scale + zero per group of 32
+    (scale, zero bfloat16 [N, K/32]), in x's dtype."""
+    return load().int4_gemv(x.contiguous(), codes, scale, zero)
+
+
+def int4_gemv_ref(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                  zero: torch.Tensor) -> torch.Tensor:
+    """The same product in torch: x rounded to bfloat16, the weight dequantized in float32."""
+    q = gemv_unpack(codes).float()
+    n, k = q.shape
+    w = (q.reshape(n, k // GROUP, GROUP) - 8.0) * scale.float()[..., None] + zero.float()[..., None]
+    xb = x.to(torch.bfloat16).float()
+    return (xb @ w.reshape(n, k).T).to(x.dtype)
+
+
+def int4_dequant(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """The weight as bfloat16 [N, K]: (q - 8) * scale + zero in float32, rounded."""
+    return load().int4_dequant(codes, scale, zero)
+
+
+GEMV_MAX_ROWS = 5   # more rows: the bfloat16 GEMM on the dequantized weight. Measured on
+#                     SmolLM2's gate|up, one core: 4 rows 195 us on int4_gemv against 182 +
+#                     the dequantization for the GEMM; 8 rows 360 against 239; 256 rows
+#                     11.5 ms against 4.2 (torch's int4 kernel: 175, 343, 10.7 ms)
+
+
+class Int4Packed:
+    """An int4 weight in int4_gemv's layout: x @ w.T on int4_gemv up to GEMV_MAX_ROWS rows
+    (decode steps, speculative verifies: each row's result the same bits at any row count
+    up to there), on torch's bfloat16 GEMM over the dequantized weight from there (prefill).
+    Activations as torch's int4 kernel takes them: bfloat16 (a float32 x is rounded)."""
+    __slots__ = ("codes", "scale", "zero")
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
+        """q [N, K] codes 0..15, scale and zero [N, K/32] (any float dtype)."""
+        self.codes = gemv_pack(q)
+        self.scale = scale.to(torch.bfloat16).contiguous()
+        self.zero = zero.to(torch.bfloat16).contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + 2 * self.scale.numel() * self.scale.element_size()
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= GEMV_MAX_ROWS:
+            return int4_gemv(x, self.codes, self.scale, self.zero)
+        w = int4_dequant(self.codes, self.scale, self.zero)
+        return torch.nn.functional.linear(x.to(torch.bfloat16), w).to(x.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        return int4_dequant(self.codes, self.scale, self.zero)

@@ -1,0 +1,246 @@
+// x @ w.T for int4 weights at a few rows (a decode step, a speculative verify), read once
+// from memory: the batch-1 matmul is bandwidth-bound, and torch's int4 kernel reaches
+// ~9 GB/s of the ~19 a core streams here (30 SmolLM2 layers, one core: 7.0 ms a token on
+// torch's kernel, 4.5-5.1 on this one).
+//
+// The weight (shared/engine/quant.py: Int4Weight, packed by gemv_pack in
+// kernels/cpu_ops/gemv.py): codes q in 0..15, w = (q - 8) * scale + zero per group of 32
+// input channels, scale and zero bfloat16 [N, K/32]. codes [N, K/2] uint8: each 64 inputs
+// (groups 2b and 2b + 1) are 32 bytes, byte i holding input i of the first group in its
+// low nibble and input i of the second in its high nibble.
+//
+// Per output row n: y = sum_g scale_g * dot(q_g - 8, x_g) + zero_g * sum(x_g), each dot on
+// bfloat16 pairs with float32 sums (AVX512-BF16 vdpbf16ps), x rounded to bfloat16 first as
+// torch's int4 kernel rounds it. A row's result is the same bits whatever the other rows
+// of x (each row is summed alone, in one order): a speculative verify sees what a decode
+// step would. Built without AVX512-BF16 (another -march), int4_simd() is false and the
+// Python side keeps torch's int4 kernel.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+// software prefetch distance in the codes (bytes; the scales and zeros, 1/8 of their size,
+// a proportional distance): a tile reads 4 rows at once, a pattern the hardware prefetcher
+// follows badly. Measured (30 SmolLM2 layers, M = 1, one core): no prefetch 6.4 ms a token,
+// 2 KiB ahead 5.2, 4 KiB 4.7, 6 KiB 4.7, torch's kernel 7.0
+#ifndef PF_BYTES
+#define PF_BYTES 4096
+#endif
+
+inline float bf16_f(uint16_t h) {
+  uint32_t b = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+inline uint16_t f_bf16(float f) {   // round half to even, as torch's float -> bfloat16
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  if (f != f) return 0x7FC0u;
+  return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+
+// one row of x as bfloat16 bits, and its per-group sums (float32, in input order)
+template <typename T>
+void prep_row(const T* x, int64_t K, uint16_t* xb, float* xs) {
+  for (int64_t k = 0; k < K; ++k) {
+    if constexpr (std::is_same_v<T, c10::BFloat16>) xb[k] = x[k].x;
+    else xb[k] = f_bf16(static_cast<float>(x[k]));
+  }
+  for (int64_t g = 0; g < K / kGroup; ++g) {
+    float s = 0.f;
+    for (int64_t k = 0; k < kGroup; ++k) s += bf16_f(xb[g * kGroup + k]);
+    xs[g] = s;
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+constexpr bool kSimd = true;
+
+inline __m512 bf16x16(__mmask16 m, const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+// NR weight rows (from wq, sc, ze, each row `ng` groups on) against MR rows of x:
+// out[r * MR + m]. A block's 32 bytes become 64 16-bit words 0x4300 | q: bfloat16(128 + q),
+// exact; dot(128 + q, x) - 136 sum(x) = dot(q - 8, x), so the 136 goes into the zero term,
+// zero - 136 scale (exact in float32). Each (r, m) pair runs the same instructions in the
+// same order whatever NR and MR are, so tiles of any shape give the same bits.
+template <int NR, int MR>
+void tile(const uint8_t* wq, const uint16_t* sc, const uint16_t* ze, int64_t ng,
+          const uint16_t* const* xb, const float* const* xs, float* out) {
+  const __m512i lo4 = _mm512_set1_epi16(0x000F), bias = _mm512_set1_epi16(0x4300);
+  const int64_t rb = ng * 16;   // bytes of codes per weight row
+  alignas(64) float sbuf[NR][16];
+  __m512 acc[NR][MR][2];
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) acc[r][m][0] = acc[r][m][1] = _mm512_setzero_ps();
+  for (int64_t gb = 0; gb < ng; gb += 16) {
+    const int cnt = static_cast<int>(ng - gb < 16 ? ng - gb : 16);
+    const __mmask16 mask = static_cast<__mmask16>((1u << cnt) - 1u);
+    __m512 X[MR];
+    for (int m = 0; m < MR; ++m) X[m] = _mm512_maskz_loadu_ps(mask, xs[m] + gb);
+    for (int r = 0; r < NR; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(sc + r * ng + gb + PF_BYTES / 16), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(ze + r * ng + gb + PF_BYTES / 16), _MM_HINT_T0);
+      const __m512 S = bf16x16(mask, sc + r * ng + gb);
+      const __m512 C = _mm512_fmadd_ps(S, _mm512_set1_ps(-136.f), bf16x16(mask, ze + r * ng + gb));
+      _mm512_store_ps(sbuf[r], S);
+      for (int m = 0; m < MR; ++m) acc[r][m][0] = _mm512_fmadd_ps(C, X[m], acc[r][m][0]);
+    }
+    for (int j = 0; j < cnt; j += 2) {
+      __m512bh x0[MR], x1[MR];
+      for (int m = 0; m < MR; ++m) {
+        x0[m] = (__m512bh)_mm512_loadu_si512(xb[m] + (gb + j) * kGroup);
+        x1[m] = (__m512bh)_mm512_loadu_si512(xb[m] + (gb + j + 1) * kGroup);
+      }
+      for (int r = 0; r < NR; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(wq + r * rb + (gb + j) * 16 + PF_BYTES), _MM_HINT_T0);
+        const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(wq + r * rb + (gb + j) * 16)));
+        const __m512bh w0 = (__m512bh)_mm512_ternarylogic_epi32(b, lo4, bias, 0xEA);  // (b & lo4) | bias
+        const __m512bh w1 = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(b, 4), bias);
+        const __m512 s0 = _mm512_set1_ps(sbuf[r][j]), s1 = _mm512_set1_ps(sbuf[r][j + 1]);
+        for (int m = 0; m < MR; ++m) {
+          acc[r][m][0] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), w0, x0[m]), s0,
+                                         acc[r][m][0]);
+          acc[r][m][1] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), w1, x1[m]), s1,
+                                         acc[r][m][1]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m)
+      out[r * MR + m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][m][0], acc[r][m][1]));
+}
+
+// rows n0..n1 of the weight against M rows of x, in tiles of 4 x 1, 2 x 2 or 1 x 4
+void rows_simd(const uint8_t* wq, const uint16_t* sc, const uint16_t* ze, int64_t ng,
+               int64_t n0, int64_t n1, const uint16_t* xb, const float* xs, int64_t M, int64_t K,
+               float* y, int64_t N) {
+  const uint16_t* xr[4];
+  const float* sr[4];
+  float o[4];
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    const int mr = static_cast<int>(M - m0 < 4 ? M - m0 : 4);
+    for (int i = 0; i < mr; ++i) {
+      xr[i] = xb + (m0 + i) * K;
+      sr[i] = xs + (m0 + i) * ng;
+    }
+    const int nr = mr == 1 ? 4 : (mr == 2 ? 2 : 1);
+    for (int64_t n = n0; n < n1;) {
+      const int step = n1 - n >= nr ? nr : 1;
+      const uint8_t* w = wq + n * ng * 16;
+      const uint16_t *s = sc + n * ng, *z = ze + n * ng;
+      if (step == 4) tile<4, 1>(w, s, z, ng, xr, sr, o);
+      else if (step == 2) tile<2, 2>(w, s, z, ng, xr, sr, o);
+      else if (mr == 1) tile<1, 1>(w, s, z, ng, xr, sr, o);
+      else if (mr == 2) tile<1, 2>(w, s, z, ng, xr, sr, o);
+      else if (mr == 3) tile<1, 3>(w, s, z, ng, xr, sr, o);
+      else tile<1, 4>(w, s, z, ng, xr, sr, o);
+      for (int r = 0; r < step; ++r)
+        for (int i = 0; i < mr; ++i) y[(m0 + i) * N + n + r] = o[r * mr + i];
+      n += step;
+    }
+  }
+}
+#else
+constexpr bool kSimd = false;
+#endif
+
+template <typename T>
+void gemv_kernel(const T* x, int64_t M, int64_t K, const uint8_t* wq, const uint16_t* sc,
+                 const uint16_t* ze, int64_t N, T* y) {
+  const int64_t ng = K / kGroup;
+  thread_local std::vector<uint16_t> xb;
+  thread_local std::vector<float> xs, yf;
+  xb.resize(M * K);
+  xs.resize(M * ng);
+  for (int64_t m = 0; m < M; ++m) prep_row(x + m * K, K, xb.data() + m * K, xs.data() + m * ng);
+  float* out = reinterpret_cast<float*>(y);
+  if constexpr (!std::is_same_v<T, float>) {
+    yf.resize(M * N);
+    out = yf.data();
+  }
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+  rows_simd(wq, sc, ze, ng, 0, N, xb.data(), xs.data(), M, K, out, N);
+#else
+  TORCH_CHECK(false, "int4_gemv: built without AVX512-BF16 (int4_simd() is false)");
+#endif
+  if constexpr (!std::is_same_v<T, float>)
+    for (int64_t i = 0; i < M * N; ++i) y[i] = T(f_bf16(out[i]), T::from_bits());
+}
+
+// one weight row -> bfloat16: w = (q - 8) * scale + zero in float32, rounded to nearest even
+void dequant_row(const uint8_t* __restrict wq, const uint16_t* __restrict sc,
+                 const uint16_t* __restrict ze, int64_t ng, uint16_t* __restrict out) {
+  for (int64_t g = 0; g < ng; ++g) {
+    const uint8_t* blk = wq + (g / 2) * 32;
+    const int shift = g % 2 ? 4 : 0;
+    const float s = bf16_f(sc[g]), z = bf16_f(ze[g]);
+    uint16_t* o = out + g * kGroup;
+    for (int i = 0; i < kGroup; ++i) {
+      const float w = static_cast<float>(((blk[i] >> shift) & 0xF) - 8) * s + z;
+      uint32_t b;
+      std::memcpy(&b, &w, 4);
+      o[i] = static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+    }
+  }
+}
+
+}  // namespace
+
+bool int4_simd() { return kSimd; }
+
+// x [M, K] float32 | bfloat16 -> [M, N] in x's dtype
+torch::Tensor int4_gemv(const torch::Tensor& x, const torch::Tensor& codes,
+                        const torch::Tensor& scale, const torch::Tensor& zero) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && !x.is_cuda(), "int4_gemv: x [M, K] contiguous CPU");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(K % 64 == 0 && codes.size(1) == K / 2 && codes.scalar_type() == torch::kUInt8 &&
+                  codes.is_contiguous(), "int4_gemv: codes [N, K/2] uint8, K a multiple of 64");
+  for (const auto* t : {&scale, &zero})
+    TORCH_CHECK(t->scalar_type() == torch::kBFloat16 && t->is_contiguous() && t->size(0) == N &&
+                    t->size(1) == K / kGroup, "int4_gemv: scale, zero [N, K/32] bfloat16");
+  auto y = torch::empty({M, N}, x.options());
+  const auto* wq = codes.data_ptr<uint8_t>();
+  const auto* sc = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>());
+  const auto* ze = reinterpret_cast<const uint16_t*>(zero.data_ptr<at::BFloat16>());
+  pybind11::gil_scoped_release nogil;   // the engine thread's matmul; the event loop runs on
+  if (x.scalar_type() == torch::kBFloat16)
+    gemv_kernel(x.data_ptr<at::BFloat16>(), M, K, wq, sc, ze, N, y.data_ptr<at::BFloat16>());
+  else if (x.scalar_type() == torch::kFloat32)
+    gemv_kernel(x.data_ptr<float>(), M, K, wq, sc, ze, N, y.data_ptr<float>());
+  else
+    TORCH_CHECK(false, "int4_gemv: x float32 or bfloat16");
+  return y;
+}
+
+// the weight as bfloat16 [N, K] (prefill's GEMM runs on it: oneDNN's bfloat16 GEMM is 2-3x
+// the int4 kernel's speed from 8 rows on, and dequantizing costs one pass)
+torch::Tensor int4_dequant(const torch::Tensor& codes, const torch::Tensor& scale,
+                           const torch::Tensor& zero) {
+  const int64_t N = codes.size(0), K = codes.size(1) * 2, ng = K / kGroup;
+  TORCH_CHECK(K % 64 == 0 && codes.scalar_type() == torch::kUInt8 && codes.is_contiguous(),
+              "int4_dequant: codes [N, K/2] uint8, K a multiple of 64");
+  for (const auto* t : {&scale, &zero})
+    TORCH_CHECK(t->scalar_type() == torch::kBFloat16 && t->is_contiguous() && t->size(0) == N &&
+                    t->size(1) == ng, "int4_dequant: scale, zero [N, K/32] bfloat16");
+  auto w = torch::empty({N, K}, scale.options());
+  const auto* wq = codes.data_ptr<uint8_t>();
+  const auto* sc = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>());
+  const auto* ze = reinterpret_cast<const uint16_t*>(zero.data_ptr<at::BFloat16>());
+  auto* out = reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>());
+  pybind11::gil_scoped_release nogil;
+  for (int64_t n = 0; n < N; ++n)
+    dequant_row(wq + n * (K / 2), sc + n * ng, ze + n * ng, ng, out + n * K);
+  return w;
+}

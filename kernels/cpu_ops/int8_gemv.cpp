@@ -1,0 +1,106 @@
+// x @ w.T for an int8 weight (per output channel scales) at a few rows: the LM head of a
+// decode step, SmolLM2's largest single weight (28 MB), read once from memory.
+//
+// The weight as Int8Weight keeps it (shared/engine/quant.py): q [N, K] int8, scale [N]
+// (float32 or bfloat16). y[m, n] = scale[n] * dot(q[n], x[m]) with x rounded to bfloat16
+// first (as torch's _weight_int8pack_mm takes it), the dot in float32 (16 lanes, two
+// accumulators by chunk parity, summed at the end). Each (row, output) pair runs the same
+// instructions in the same order at any row count: a row's logits do not depend on its
+// batch. Built without AVX-512, int8_simd() is false and the Python side keeps torch's.
+#include <torch/extension.h>
+#include <immintrin.h>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+#ifndef PF_BYTES8
+#define PF_BYTES8 4096   // software prefetch distance (bytes), as int4_gemv.cpp measured
+#endif
+
+inline float bf16_bits_f(uint16_t h) {
+  uint32_t b = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+constexpr bool kSimd8 = true;
+
+template <int NR, int MR>
+void tile8(const int8_t* q, int64_t K, const float* const* xf, float* out) {
+  __m512 acc[NR][MR][2];
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) acc[r][m][0] = acc[r][m][1] = _mm512_setzero_ps();
+  for (int64_t k = 0, c = 0; k < K; k += 16, ++c) {
+    const __mmask16 mask = K - k >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (K - k)) - 1u);
+    __m512 X[MR];
+    for (int m = 0; m < MR; ++m) X[m] = _mm512_maskz_loadu_ps(mask, xf[m] + k);
+    for (int r = 0; r < NR; ++r) {
+      const int8_t* p = q + r * K + k;
+      _mm_prefetch(reinterpret_cast<const char*>(p + PF_BYTES8), _MM_HINT_T0);
+      const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, p)));
+      for (int m = 0; m < MR; ++m) acc[r][m][c & 1] = _mm512_fmadd_ps(w, X[m], acc[r][m][c & 1]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m)
+      out[r * MR + m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][m][0], acc[r][m][1]));
+}
+
+void rows8(const int8_t* q, int64_t N, int64_t K, const float* xf, int64_t M, float* y) {
+  const float* xr[4];
+  float o[4];
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    const int mr = static_cast<int>(M - m0 < 4 ? M - m0 : 4);
+    for (int i = 0; i < mr; ++i) xr[i] = xf + (m0 + i) * K;
+    const int nr = mr == 1 ? 4 : (mr == 2 ? 2 : 1);
+    for (int64_t n = 0; n < N;) {
+      const int step = N - n >= nr ? nr : 1;
+      const int8_t* w = q + n * K;
+      if (step == 4) tile8<4, 1>(w, K, xr, o);
+      else if (step == 2) tile8<2, 2>(w, K, xr, o);
+      else if (mr == 1) tile8<1, 1>(w, K, xr, o);
+      else if (mr == 2) tile8<1, 2>(w, K, xr, o);
+      else if (mr == 3) tile8<1, 3>(w, K, xr, o);
+      else tile8<1, 4>(w, K, xr, o);
+      for (int r = 0; r < step; ++r)
+        for (int i = 0; i < mr; ++i) y[(m0 + i) * N + n + r] = o[r * mr + i];
+      n += step;
+    }
+  }
+}
+#else
+constexpr bool kSimd8 = false;
+#endif
+
+}  // namespace
+
+bool int8_simd() { return kSimd8; }
+
+// x [M, K] float32 | bfloat16, q [N, K] int8, scale [N] float32 | bfloat16 -> [M, N] in
+// x's dtype
+torch::Tensor int8_gemv(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale) {
+  TORCH_CHECK(kSimd8, "int8_gemv: built without AVX-512 (int8_simd() is false)");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && !x.is_cuda(), "int8_gemv: x [M, K] contiguous CPU");
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
+  TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.is_contiguous() && q.size(1) == K,
+              "int8_gemv: q [N, K] int8 contiguous");
+  TORCH_CHECK(scale.numel() == N, "int8_gemv: scale [N]");
+  const auto sf = scale.to(torch::kFloat32).contiguous();
+  const auto xb = x.to(torch::kBFloat16).to(torch::kFloat32).contiguous();
+  auto yf = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  {
+    pybind11::gil_scoped_release nogil;
+    float* y = yf.data_ptr<float>();
+    rows8(q.data_ptr<int8_t>(), N, K, xb.data_ptr<float>(), M, y);
+    const float* s = sf.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) y[m * N + n] *= s[n];
+  }
+#endif
+  return x.scalar_type() == torch::kFloat32 ? yf : yf.to(x.scalar_type());
+}
