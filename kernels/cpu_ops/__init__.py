@@ -1,6 +1,7 @@
 """CPU ops in C++ (ops.cpp) when the extension is built: W8A8 activation passes (else the
-torch reference, ref.py, with the same bits) and decode attention read in place (else None:
-the caller's torch path serves)."""
+torch reference, ref.py, with the same bits), decode attention read in place, RMSNorm and
+RoPE in one call each (else None: the caller's torch path serves); the few-row int4/int8
+matmuls are in gemv.py."""
 from __future__ import annotations
 
 import torch
@@ -9,7 +10,8 @@ from kernels.cpu_ops.build import load
 from kernels.cpu_ops.ref import dequant_rows_ref, quant_rows_ref
 
 __all__ = ["quant_rows", "dequant_rows", "quant_rows_ref", "dequant_rows_ref",
-           "decode_attention", "row_attention", "rows_attention", "load"]
+           "decode_attention", "row_attention", "rows_attention", "rms_norm", "rope", "silu_mul",
+           "load"]
 
 
 def quant_rows(x: torch.Tensor, inv: torch.Tensor | None = None, u8: bool = False):
@@ -58,3 +60,36 @@ def rows_attention(q, kf, vf, slots: torch.Tensor, scale: float):
     if mod is None or not _in_place(q, kf, vf):
         return None
     return mod.slots_causal(q, kf, vf, slots, scale)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, gemma: bool):
+    """Model.rms_norm of x [T, H] in one call (fused.cpp), or None (extension off, CUDA,
+    another layout or dtype: the caller's torch path serves)."""
+    mod = load()
+    if (mod is None or x.is_cuda or x.dim() != 2 or not x.is_contiguous()
+            or x.dtype not in (torch.float32, torch.bfloat16)
+            or w.dtype not in (x.dtype, torch.float32)):
+        return None
+    return mod.rms_norm(x, w, eps, gemma)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool):
+    """Model.rope of x [T, heads, D] in one call, the same bits (fused.cpp), or None (as
+    rms_norm)."""
+    mod = load()
+    rows = (x.shape[0], 1, x.shape[2]) if x.dim() == 3 else None
+    if (mod is None or x.is_cuda or rows is None or x.stride(-1) != 1 or x.shape[2] % 2
+            or x.dtype not in (torch.float32, torch.bfloat16)
+            or any(t.dtype != x.dtype or tuple(t.shape) != rows or not t.is_contiguous()
+                   for t in (cos, sin))):
+        return None
+    return mod.rope(x, cos, sin, interleaved)
+
+
+def silu_mul(x: torch.Tensor):
+    """silu(gate) * up of gate|up [T, 2I] in one call (fused.cpp), or None (as rms_norm)."""
+    mod = load()
+    if (mod is None or x.is_cuda or x.dim() != 2 or not x.is_contiguous()
+            or x.dtype not in (torch.float32, torch.bfloat16)):
+        return None
+    return mod.silu_mul(x)

@@ -32,7 +32,7 @@ import torch
 log = logging.getLogger("pdmesh.kernels")
 SOURCE = Path(__file__).with_name("ops.cpp")
 SOURCES = (SOURCE, *(Path(__file__).with_name(f) for f in ("kv_copy.cpp", "int4_gemv.cpp",
-                                                           "int8_gemv.cpp")))
+                                                           "int8_gemv.cpp", "fused.cpp")))
 _cache: dict[str, object] = {}
 _lock = threading.Lock()
 
@@ -165,7 +165,8 @@ def _build():
         with build_lock(out):
             mod = cpp_extension.load(name="pdmesh_cpu_ops", sources=[str(p) for p in SOURCES],
                                      build_directory=str(out),
-                                     extra_cflags=["-O3", f"-march={target}", *NO_AMX],
+                                     extra_cflags=["-O3", f"-march={target}", *NO_AMX,
+                                                   "-ffp-contract=off"],
                                      verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler / ninja: the torch path serves
         log.warning("C++ CPU ops unavailable (%s); using the torch path", e)

@@ -307,6 +307,11 @@ torch::Tensor int4_gemv(const torch::Tensor& x, const torch::Tensor& codes,
                         const torch::Tensor& scale, const torch::Tensor& zero);
 torch::Tensor int4_dequant(const torch::Tensor& codes, const torch::Tensor& scale,
                            const torch::Tensor& zero);
+// fused.cpp: a decode step's small elementwise passes in one call each
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps, bool gemma);
+torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                   bool interleaved);
+torch::Tensor silu_mul(const torch::Tensor& x);
 // int8_gemv.cpp: the int8 weight's (the LM head's) matmul at a few rows
 bool int8_simd();
 torch::Tensor int8_gemv(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale);
@@ -324,5 +329,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_dequant", &int4_dequant, "gemv-packed int4 codes -> the bfloat16 weight");
   m.def("int8_simd", &int8_simd, "whether int8_gemv was built with AVX-512");
   m.def("int8_gemv", &int8_gemv, "x @ w.T on an int8 weight with per-output scales");
+  m.def("rms_norm", &rms_norm, "Model.rms_norm in one pass");
+  m.def("rope", &rope, "Model.rope in one pass, the same bits");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of gate|up in one pass");
   m.def("kv_scatter", &kv_scatter, "a KV write's payload -> pool blocks x layers, in place");
 }

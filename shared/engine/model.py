@@ -17,6 +17,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_ops
 from kernels.cpu_ops import load as cpu_ops_loaded
 from kernels.kv_cache import plan_slots, write_kv
 
@@ -146,14 +147,20 @@ class Model:
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # float32 math, then back to the model dtype (as transformers does); Gemma scales
-        # in float32 too, by its (1 + w) (_norm_weight)
+        # in float32 too, by its (1 + w) (_norm_weight). On CPU one C++ call (cpu_ops)
+        y = cpu_ops.rms_norm(x, w, self.cfg.rms_norm_eps, self.gemma)
+        if y is not None:
+            return y
         xf = F.rms_norm(x.float(), (x.shape[-1],), eps=self.cfg.rms_norm_eps)
         return (xf * w).to(x.dtype) if self.gemma else w * xf.to(x.dtype)
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [T, heads, D]; cos/sin: [T, 1, D], sin with rot's sign folded in (__init__):
         # the same products as x * cos + cat([-x2, x1]) * sin, one op fewer; interleaved
-        # (GLM-4), rot pairs (2i, 2i+1) instead of halves
+        # (GLM-4), rot pairs (2i, 2i+1) instead of halves. On CPU one C++ call (cpu_ops)
+        y = cpu_ops.rope(x, cos, sin, self.interleaved)
+        if y is not None:
+            return y
         if self.interleaved:
             return x * cos + x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2) * sin
         return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin
@@ -213,7 +220,11 @@ class Model:
         return logits
 
     def mlp(self, x: torch.Tensor, gate_up_w, down_w) -> torch.Tensor:
-        gate, up = linear(x, gate_up_w).chunk(2, dim=-1)
+        gu = linear(x, gate_up_w)
+        act = cpu_ops.silu_mul(gu) if self.gelu is None else None   # on CPU one C++ call
+        if act is not None:
+            return linear(act, down_w)
+        gate, up = gu.chunk(2, dim=-1)
         gate = F.silu(gate) if self.gelu is None else F.gelu(gate, approximate=self.gelu)
         return linear(gate * up, down_w)
 

@@ -1,0 +1,144 @@
+// A decode step's small elementwise passes, one call each instead of four torch ops: at one
+// row the ops' own overhead is the cost (SmolLM2, one row: the RMSNorm's four ops 16 us,
+// RoPE's four 11 us, against ~2-3 us for one call here; 61 norms and 30 RoPEs a token).
+//
+// rms_norm: Model.rms_norm's arithmetic: n = x * (1 / sqrt(mean(x^2) + eps)) in float32,
+//   then w * n rounded to x's dtype as torch rounds each op (n to x's dtype first, then the
+//   product), or for Gemma n * w in float32, rounded once. The mean's sum runs in 16
+//   lanes, not in torch's order: results are within a float32 rounding of torch's (tests).
+// silu_mul: Model.mlp's silu(gate) * up of gate|up [T, 2I]: silu in float32 (x / (1 +
+//   exp(-x))) rounded to x's dtype, then the product rounded: torch's two ops, up to the
+//   last float32 bit of exp (std::exp here, SLEEF's in torch).
+// rope: Model.rope's x * cos + rot(x) * sin with sin's sign folded in, rot the halves'
+//   swap (or, interleaved, the pairs' swap), each product and the sum rounded to x's dtype
+//   as torch's ops round them: the same bits as the torch expression.
+#include <torch/extension.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+inline float f32(float v) { return v; }
+inline float f32(c10::BFloat16 v) {
+  uint32_t b = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+template <typename T> inline T to(float f);
+template <> inline float to<float>(float f) { return f; }
+template <> inline c10::BFloat16 to<c10::BFloat16>(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  const uint32_t r = f != f ? 0x7FC0u : (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+  return c10::BFloat16(static_cast<uint16_t>(r), c10::BFloat16::from_bits());
+}
+template <typename T> inline float rnd(float f) { return f32(to<T>(f)); }   // f in T's precision
+
+template <typename T, typename W>
+void norm_rows(const T* x, const W* w, int64_t rows, int64_t H, float eps, bool gemma, T* y) {
+  for (int64_t t = 0; t < rows; ++t) {
+    const T* xr = x + t * H;
+    float lanes[16] = {};
+    int64_t i = 0;
+    for (; i + 16 <= H; i += 16)
+      for (int l = 0; l < 16; ++l) lanes[l] += f32(xr[i + l]) * f32(xr[i + l]);
+    for (; i < H; ++i) lanes[i % 16] += f32(xr[i]) * f32(xr[i]);
+    float ss = 0.f;
+    for (int l = 0; l < 16; ++l) ss += lanes[l];
+    const float r = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+    T* yr = y + t * H;
+    if (gemma)
+      for (i = 0; i < H; ++i) yr[i] = to<T>(f32(xr[i]) * r * f32(w[i]));
+    else
+      for (i = 0; i < H; ++i) yr[i] = to<T>(f32(w[i]) * rnd<T>(f32(xr[i]) * r));
+  }
+}
+
+template <typename T>
+void rope_rows(const T* x, int64_t s_t, int64_t s_h, int64_t rows, int64_t heads, int64_t D,
+               const T* cos, const T* sin, bool interleaved, T* y) {
+  const int64_t half = D / 2;
+  for (int64_t t = 0; t < rows; ++t) {
+    const T* c = cos + t * D;
+    const T* s = sin + t * D;
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* xr = x + t * s_t + h * s_h;
+      T* yr = y + (t * heads + h) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const int64_t p = interleaved ? (d ^ 1) : (d < half ? d + half : d - half);
+        yr[d] = to<T>(rnd<T>(f32(xr[d]) * f32(c[d])) + rnd<T>(f32(xr[p]) * f32(s[d])));
+      }
+    }
+  }
+}
+
+template <typename T>
+void silu_mul_rows(const T* x, int64_t rows, int64_t I, T* y) {
+  for (int64_t t = 0; t < rows; ++t) {
+    const T* g = x + t * 2 * I;
+    const T* u = g + I;
+    T* yr = y + t * I;
+    for (int64_t i = 0; i < I; ++i) {
+      const float v = f32(g[i]);
+      yr[i] = to<T>(rnd<T>(v / (1.f + std::exp(-v))) * f32(u[i]));
+    }
+  }
+}
+
+}  // namespace
+
+// gate|up [T, 2I] contiguous float32 | bfloat16 -> [T, I]
+torch::Tensor silu_mul(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0,
+              "silu_mul: gate|up [T, 2I] contiguous");
+  auto y = torch::empty({x.size(0), x.size(1) / 2}, x.options());
+  if (x.scalar_type() == torch::kBFloat16)
+    silu_mul_rows(x.data_ptr<at::BFloat16>(), x.size(0), x.size(1) / 2, y.data_ptr<at::BFloat16>());
+  else if (x.scalar_type() == torch::kFloat32)
+    silu_mul_rows(x.data_ptr<float>(), x.size(0), x.size(1) / 2, y.data_ptr<float>());
+  else
+    TORCH_CHECK(false, "silu_mul: float32 or bfloat16");
+  return y;
+}
+
+// x [T, H] contiguous float32 | bfloat16; w [H] x's dtype or float32 (Gemma's 1 + w)
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps, bool gemma) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous() && w.numel() == x.size(1),
+              "rms_norm: x [T, H] contiguous, w [H]");
+  auto y = torch::empty_like(x);
+  const int64_t T = x.size(0), H = x.size(1);
+  const float e = static_cast<float>(eps);
+  if (x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16)
+    norm_rows(x.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(), T, H, e, gemma,
+              y.data_ptr<at::BFloat16>());
+  else if (x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kFloat32)
+    norm_rows(x.data_ptr<at::BFloat16>(), w.data_ptr<float>(), T, H, e, gemma,
+              y.data_ptr<at::BFloat16>());
+  else if (x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32)
+    norm_rows(x.data_ptr<float>(), w.data_ptr<float>(), T, H, e, gemma, y.data_ptr<float>());
+  else
+    TORCH_CHECK(false, "rms_norm: float32 or bfloat16");
+  return y;
+}
+
+// x [T, heads, D] (its last dim contiguous), cos/sin [T, 1, D] contiguous, x's dtype
+torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                   bool interleaved) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.numel() == x.size(0) * x.size(2) && sin.numel() == cos.numel() &&
+                  cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type() &&
+                  x.size(2) % 2 == 0, "rope: x [T, heads, D], cos/sin [T, 1, D] of x's dtype");
+  auto y = torch::empty({x.size(0), x.size(1), x.size(2)}, x.options());
+  if (x.scalar_type() == torch::kBFloat16)
+    rope_rows(x.data_ptr<at::BFloat16>(), x.stride(0), x.stride(1), x.size(0), x.size(1), x.size(2),
+              cos.data_ptr<at::BFloat16>(), sin.data_ptr<at::BFloat16>(), interleaved,
+              y.data_ptr<at::BFloat16>());
+  else if (x.scalar_type() == torch::kFloat32)
+    rope_rows(x.data_ptr<float>(), x.stride(0), x.stride(1), x.size(0), x.size(1), x.size(2),
+              cos.data_ptr<float>(), sin.data_ptr<float>(), interleaved, y.data_ptr<float>());
+  else
+    TORCH_CHECK(false, "rope: float32 or bfloat16");
+  return y;
+}
