@@ -9,6 +9,7 @@ nibble: one zero-extension and two bit operations turn them into 64 bfloat16 wor
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 
@@ -71,21 +72,40 @@ def int4_gemv_ref(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     return (xb @ w.reshape(n, k).T).to(x.dtype)
 
 
-def int4_dequant(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """The weight as bfloat16 [N, K]: (q - 8) * scale + zero in float32, rounded."""
-    return load().int4_dequant(codes, scale, zero)
+def int4_dequant(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                 into: torch.Tensor | None = None) -> torch.Tensor:
+    """The weight as bfloat16 [N, K]: (q - 8) * scale + zero in float32, rounded; written
+    into the front of `into` (bfloat16, N * K elements or more) when given."""
+    return load().int4_dequant(codes, scale, zero, into)
 
 
-GEMV_MAX_ROWS = 5   # more rows: the bfloat16 GEMM on the dequantized weight. Measured on
-#                     SmolLM2's gate|up, one core: 4 rows 195 us on int4_gemv against 182 +
-#                     the dequantization for the GEMM; 8 rows 360 against 239; 256 rows
-#                     11.5 ms against 4.2 (torch's int4 kernel: 175, 343, 10.7 ms)
+_scratch = threading.local()
+
+
+def scratch(numel: int) -> torch.Tensor:
+    """This thread's bfloat16 buffer of at least numel elements, kept from call to call: the
+    dequantized weight of one GEMM at a time lives there (a fresh multi-MB tensor per call
+    costs its page faults again each time)."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = _scratch.buf = torch.empty(numel, dtype=torch.bfloat16)
+    return buf
+
+
+GEMV_MAX_ROWS = 8   # int4: more rows go to torch's bfloat16 GEMM on the dequantized weight.
+#                     SmolLM2's gate|up, one core (int4_gemv / dequantize + GEMM / torch's
+#                     int4 kernel, us): 6 rows 285 / 432 / 268; 8: 365 / 461 / 343;
+#                     12: 540 / 524; 16: 779 / 585 / 674; 64: 3093 / 1338 / 2674
+INT8_GEMV_MAX_ROWS = 2   # int8 (the LM head): SmolLM2's half head, one core (int8_gemv /
+#                          torch's int8 kernel, us): 1 row 1218 / 1528; 2: 1760 / 2439;
+#                          4: 4298 / 3049; 8: 7916 / 5717
 
 
 class Int4Packed:
     """An int4 weight in int4_gemv's layout: x @ w.T on int4_gemv up to GEMV_MAX_ROWS rows
-    (decode steps, speculative verifies: each row's result the same bits at any row count
-    up to there), on torch's bfloat16 GEMM over the dequantized weight from there (prefill).
+    (small decode batches, speculative verifies: each row's result the same bits at any
+    row count up to there), on torch's bfloat16 GEMM over the dequantized weight from there
+    (prefill, larger batches).
     Activations as torch's int4 kernel takes them: bfloat16 (a float32 x is rounded)."""
     __slots__ = ("codes", "scale", "zero")
 
@@ -102,7 +122,8 @@ class Int4Packed:
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= GEMV_MAX_ROWS:
             return int4_gemv(x, self.codes, self.scale, self.zero)
-        w = int4_dequant(self.codes, self.scale, self.zero)
+        n, half = self.codes.shape
+        w = int4_dequant(self.codes, self.scale, self.zero, scratch(n * half * 2))
         return torch.nn.functional.linear(x.to(torch.bfloat16), w).to(x.dtype)
 
     def dequantize(self) -> torch.Tensor:

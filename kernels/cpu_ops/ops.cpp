@@ -306,7 +306,7 @@ bool int4_simd();
 torch::Tensor int4_gemv(const torch::Tensor& x, const torch::Tensor& codes,
                         const torch::Tensor& scale, const torch::Tensor& zero);
 torch::Tensor int4_dequant(const torch::Tensor& codes, const torch::Tensor& scale,
-                           const torch::Tensor& zero);
+                           const torch::Tensor& zero, const c10::optional<torch::Tensor>& into);
 // fused.cpp: a decode step's small elementwise passes in one call each
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps, bool gemma);
 torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
@@ -326,7 +326,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kv_gather", &kv_gather, "pool blocks x layers -> a KV write's payload buffer");
   m.def("int4_simd", &int4_simd, "whether int4_gemv was built with AVX512-BF16");
   m.def("int4_gemv", &int4_gemv, "x @ w.T on gemv-packed int4 codes, bfloat16 scale and zero");
-  m.def("int4_dequant", &int4_dequant, "gemv-packed int4 codes -> the bfloat16 weight");
+  m.def("int4_dequant", &int4_dequant, "gemv-packed int4 codes -> the bfloat16 weight",
+        py::arg("codes"), py::arg("scale"), py::arg("zero"), py::arg("into") = py::none());
   m.def("int8_simd", &int8_simd, "whether int8_gemv was built with AVX-512");
   m.def("int8_gemv", &int8_gemv, "x @ w.T on an int8 weight with per-output scales");
   m.def("rms_norm", &rms_norm, "Model.rms_norm in one pass");

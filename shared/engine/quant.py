@@ -1,14 +1,15 @@
 """Weight-only quantization of the linear layers, in the style of gpt-fast.
 
   int8   per output channel, symmetric: w ~= q * scale, q in [-127, 127]; the matmul is
-         kernels/cpu_ops/int8_gemv.cpp up to 5 rows on an AVX-512 CPU (the LM head of a
-         decode step at ~2x), torch's `_weight_int8pack_mm` otherwise (activations stay
+         kernels/cpu_ops/int8_gemv.cpp up to 2 rows on an AVX-512 CPU (the LM head of a
+         decode step at 1.3-1.4x), torch's `_weight_int8pack_mm` otherwise (activations stay
          in the model dtype).
   int4   groups of `group_size` input channels (32, as the GGUF's Q4_1), asymmetric:
          w ~= (q - 8) * scale + zero, q in [0, 15]; on a CPU with AVX512-BF16,
-         kernels/cpu_ops/int4_gemv.cpp for up to 5 rows (a decode step at 1.4-1.7x torch's
+         kernels/cpu_ops/int4_gemv.cpp for up to 8 rows (a decode step at 1.4-1.7x torch's
          int4 kernel: the batch-1 matmul is bandwidth-bound) and torch's bfloat16 GEMM on
-         the dequantized weight from 6 rows (prefill, 2.5x at 256 rows); elsewhere torch's
+         the dequantized weight from 9 rows (prefill, batches: 1.15x at 16, 2x at 64);
+         elsewhere torch's
          `_weight_int4pack_mm_for_cpu` (`_weight_int4pack_mm` on CUDA). Q4_1 stores
          w = q * d + m per group of 32, which is this grid with scale = d, zero = m + 8d;
          Q4_0 stores w = (q - 8) d, the grid with zero = 0. Each group takes whichever of
@@ -32,7 +33,13 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_ops import dequant_rows, quant_rows
-from kernels.cpu_ops.gemv import GEMV_MAX_ROWS, Int4Packed, gemv_ready, int8_gemv, int8_gemv_ready
+from kernels.cpu_ops.gemv import (
+    INT8_GEMV_MAX_ROWS,
+    Int4Packed,
+    gemv_ready,
+    int8_gemv,
+    int8_gemv_ready,
+)
 
 MODES = ("", "int8", "int4")
 A8_MIN_ROWS = 6        # act_int8: forwards of at least this many rows take int8 activations
@@ -55,7 +62,7 @@ class Int8Weight:
         self.q = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
         self.scale = scale.to(_act(w.dtype, w.is_cuda))
         self.a8 = a8 and not w.is_cuda
-        self.gemv = not w.is_cuda and int8_gemv_ready()   # up to GEMV_MAX_ROWS rows
+        self.gemv = not w.is_cuda and int8_gemv_ready()   # up to INT8_GEMV_MAX_ROWS rows
         self.scale_f = scale if self.a8 else None
         self.packed = _prepack(self.q) if self.a8 else None
         if self.packed is not None:   # the GEMM's own scales stay 1: its float32 output is
@@ -75,7 +82,7 @@ class Int8Weight:
             return F.linear(x, self.q.to(x.dtype)) * self.scale.to(x.dtype)
         if self.a8 and x.shape[0] >= A8_MIN_ROWS:
             return self.mm_a8(x)
-        if self.gemv and x.shape[0] <= GEMV_MAX_ROWS:
+        if self.gemv and x.shape[0] <= INT8_GEMV_MAX_ROWS:
             return int8_gemv(x, self.q, self.scale)
         return torch.ops.aten._weight_int8pack_mm(x.to(self.scale.dtype), self.q,
                                                   self.scale).to(x.dtype)
