@@ -5,10 +5,12 @@ tokens, streamed /v1/chat/completions (OpenAI-compatible on all three servers):
 
   llama-server         built from the llama.cpp source vendored in llama-cpp-python's sdist
                        (cmake --build build --target llama-server), `-np 16 -c 16384 -t 2`;
-                       where the CPU lists AMX but the VM does not grant it (SIGILL in
-                       tinygemm_kernel_amx at the first request), configure with
-                       -DGGML_NATIVE=OFF, the AVX/AVX2/FMA/F16C/BMI2/AVX512(_VBMI, _VNNI,
-                       _BF16)/AVX_VNNI options on and -DGGML_AMX_{TILE,INT8,BF16}=OFF
+                       natively (-DGGML_NATIVE=ON) where the CPU grants what it lists;
+                       where it lists AMX but the VM does not grant it (SIGILL in
+                       tinygemm_kernel_amx at the first request), add -mno-amx-tile
+                       -mno-amx-int8 -mno-amx-bf16 to CMAKE_C(XX)_FLAGS. A non-native
+                       build must not turn on what the CPU lacks (GGML_AVX_VNNI=ON on an
+                       EPYC with AVX512-VNNI but no AVX-VNNI: SIGILL at the first forward)
   llama-cpp-python     `python -m llama_cpp.server --interrupt_requests False` (one request
                        at a time; without the flag a new request cuts the running one short)
   pdmesh               as `make run` starts it (--pdmesh-url of a running mesh, or
