@@ -33,6 +33,7 @@ log = logging.getLogger("pdmesh.kernels")
 SOURCE = Path(__file__).with_name("ops.cpp")
 SOURCES = (SOURCE, *(Path(__file__).with_name(f) for f in ("kv_copy.cpp", "int4_gemv.cpp",
                                                            "int8_gemv.cpp", "fused.cpp")))
+HEADERS = (Path(__file__).with_name("tiles.h"),)   # in the build's digest, not compiled alone
 _cache: dict[str, object] = {}
 _lock = threading.Lock()
 
@@ -70,8 +71,9 @@ def arch_missing(target: str) -> list[str]:
 
 def build_dir() -> Path:
     key = _cpu_flags() if arch() == "native" else arch()
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + Path(__file__).read_bytes()
-                            + torch.__version__.encode() + key.encode()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+                            + Path(__file__).read_bytes() + torch.__version__.encode()
+                            + key.encode()).hexdigest()[:16]
     root = Path(os.environ.get("PDMESH_EXT_DIR", Path.home() / ".cache" / "pdmesh" / "ext"))
     return root / f"cpu_ops-{digest}"
 

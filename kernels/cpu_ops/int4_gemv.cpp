@@ -22,6 +22,8 @@
 #include <cstring>
 #include <vector>
 
+#include "tiles.h"
+
 namespace {
 
 constexpr int64_t kGroup = 32;
@@ -122,35 +124,19 @@ void tile(const uint8_t* wq, const uint16_t* sc, const uint16_t* ze, int64_t ng,
       out[r * MR + m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][m][0], acc[r][m][1]));
 }
 
-// rows n0..n1 of the weight against M rows of x, in tiles of 4 x 1, 2 x 2 or 1 x 4
+// the weight against M rows of x, tile by tile (tiles.h)
 void rows_simd(const uint8_t* wq, const uint16_t* sc, const uint16_t* ze, int64_t ng,
-               int64_t n0, int64_t n1, const uint16_t* xb, const float* xs, int64_t M, int64_t K,
-               float* y, int64_t N) {
-  const uint16_t* xr[4];
-  const float* sr[4];
-  float o[4];
-  for (int64_t m0 = 0; m0 < M; m0 += 4) {
-    const int mr = static_cast<int>(M - m0 < 4 ? M - m0 : 4);
+               const uint16_t* xb, const float* xs, int64_t M, int64_t K, float* y, int64_t N) {
+  walk_tiles(M, N, y, [&](auto nr_, auto mr_, int64_t n, int64_t m0, float* o) {
+    constexpr int nr = decltype(nr_)::value, mr = decltype(mr_)::value;
+    const uint16_t* xr[mr];
+    const float* sr[mr];
     for (int i = 0; i < mr; ++i) {
       xr[i] = xb + (m0 + i) * K;
       sr[i] = xs + (m0 + i) * ng;
     }
-    const int nr = mr == 1 ? 4 : (mr == 2 ? 2 : 1);
-    for (int64_t n = n0; n < n1;) {
-      const int step = n1 - n >= nr ? nr : 1;
-      const uint8_t* w = wq + n * ng * 16;
-      const uint16_t *s = sc + n * ng, *z = ze + n * ng;
-      if (step == 4) tile<4, 1>(w, s, z, ng, xr, sr, o);
-      else if (step == 2) tile<2, 2>(w, s, z, ng, xr, sr, o);
-      else if (mr == 1) tile<1, 1>(w, s, z, ng, xr, sr, o);
-      else if (mr == 2) tile<1, 2>(w, s, z, ng, xr, sr, o);
-      else if (mr == 3) tile<1, 3>(w, s, z, ng, xr, sr, o);
-      else tile<1, 4>(w, s, z, ng, xr, sr, o);
-      for (int r = 0; r < step; ++r)
-        for (int i = 0; i < mr; ++i) y[(m0 + i) * N + n + r] = o[r * mr + i];
-      n += step;
-    }
-  }
+    tile<nr, mr>(wq + n * ng * 16, sc + n * ng, ze + n * ng, ng, xr, sr, o);
+  });
 }
 #else
 constexpr bool kSimd = false;
@@ -171,7 +157,7 @@ void gemv_kernel(const T* x, int64_t M, int64_t K, const uint8_t* wq, const uint
     out = yf.data();
   }
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-  rows_simd(wq, sc, ze, ng, 0, N, xb.data(), xs.data(), M, K, out, N);
+  rows_simd(wq, sc, ze, ng, xb.data(), xs.data(), M, K, out, N);
 #else
   TORCH_CHECK(false, "int4_gemv: built without AVX512-BF16 (int4_simd() is false)");
 #endif

@@ -13,6 +13,8 @@
 #include <cstring>
 #include <vector>
 
+#include "tiles.h"
+
 namespace {
 
 #ifndef PF_BYTES8
@@ -51,26 +53,12 @@ void tile8(const int8_t* q, int64_t K, const float* const* xf, float* out) {
 }
 
 void rows8(const int8_t* q, int64_t N, int64_t K, const float* xf, int64_t M, float* y) {
-  const float* xr[4];
-  float o[4];
-  for (int64_t m0 = 0; m0 < M; m0 += 4) {
-    const int mr = static_cast<int>(M - m0 < 4 ? M - m0 : 4);
+  walk_tiles(M, N, y, [&](auto nr_, auto mr_, int64_t n, int64_t m0, float* o) {
+    constexpr int nr = decltype(nr_)::value, mr = decltype(mr_)::value;
+    const float* xr[mr];
     for (int i = 0; i < mr; ++i) xr[i] = xf + (m0 + i) * K;
-    const int nr = mr == 1 ? 4 : (mr == 2 ? 2 : 1);
-    for (int64_t n = 0; n < N;) {
-      const int step = N - n >= nr ? nr : 1;
-      const int8_t* w = q + n * K;
-      if (step == 4) tile8<4, 1>(w, K, xr, o);
-      else if (step == 2) tile8<2, 2>(w, K, xr, o);
-      else if (mr == 1) tile8<1, 1>(w, K, xr, o);
-      else if (mr == 2) tile8<1, 2>(w, K, xr, o);
-      else if (mr == 3) tile8<1, 3>(w, K, xr, o);
-      else tile8<1, 4>(w, K, xr, o);
-      for (int r = 0; r < step; ++r)
-        for (int i = 0; i < mr; ++i) y[(m0 + i) * N + n + r] = o[r * mr + i];
-      n += step;
-    }
-  }
+    tile8<nr, mr>(q + n * K, K, xr, o);
+  });
 }
 #else
 constexpr bool kSimd8 = false;
