@@ -49,11 +49,13 @@ def gemv_pack(q: torch.Tensor) -> torch.Tensor:
     b = q.to(torch.uint8).reshape(n, k // 64, 2, 32)            # block, group, input
     return (b[:, :, 0] | (b[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
 
+
 def gemv_unpack(codes: torch.Tensor) -> torch.Tensor:
     """gemv_pack's inverse: [N, K/2] uint8 -> codes [N, K] int32."""
     n, half = codes.shape
     b = codes.reshape(n, half // 32, 1, 32)
     return torch.cat([b & 0xF, b >> 4], dim=2).reshape(n, half * 2).to(torch.int32)
+
 
 def int4_gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
               zero: torch.Tensor) -> torch.Tensor:
