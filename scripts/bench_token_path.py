@@ -105,6 +105,7 @@ def labelled_cpu_ops():
         return call
 
     spots = [(gemv, "int4_gemv", "pdmesh::int4_gemv"), (gemv, "int4_dequant", "pdmesh::int4_dequant"),
+             (gemv, "int4_gemm", "pdmesh::int4_gemm"), (quant, "int8_gemm", "pdmesh::int8_gemm"),
              (quant, "int8_gemv", "pdmesh::int8_gemv"), (ops, "rms_norm", "cpp::rms_norm"),
              (ops, "rope", "cpp::rope"), (ops, "silu_mul", "cpp::silu_mul"),
              (paged, "decode_attention", "cpp::decode_attention"),

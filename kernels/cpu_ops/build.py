@@ -32,8 +32,9 @@ import torch
 log = logging.getLogger("pdmesh.kernels")
 SOURCE = Path(__file__).with_name("ops.cpp")
 SOURCES = (SOURCE, *(Path(__file__).with_name(f) for f in ("kv_copy.cpp", "int4_gemv.cpp",
-                                                           "int8_gemv.cpp", "fused.cpp")))
-HEADERS = (Path(__file__).with_name("tiles.h"),)   # in the build's digest, not compiled alone
+                                                           "int8_gemv.cpp", "fused.cpp",
+                                                           "batch_gemm.cpp")))
+HEADERS = tuple(Path(__file__).with_name(f) for f in ("tiles.h", "simd.h"))   # in the digest
 _cache: dict[str, object] = {}
 _lock = threading.Lock()
 

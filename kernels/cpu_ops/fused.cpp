@@ -8,14 +8,17 @@
 //   lanes, not in torch's order: results are within a float32 rounding of torch's (tests).
 // silu_mul: Model.mlp's silu(gate) * up of gate|up [T, 2I]: silu in float32 (x / (1 +
 //   exp(-x))) rounded to x's dtype, then the product rounded: torch's two ops, up to the
-//   last float32 bit of exp (std::exp here, SLEEF's in torch).
+//   last float32 bit of exp (simd.h's 16 lanes here, SLEEF's in torch).
 // rope: Model.rope's x * cos + rot(x) * sin with sin's sign folded in, rot the halves'
 //   swap (or, interleaved, the pairs' swap), each product and the sum rounded to x's dtype
 //   as torch's ops round them: the same bits as the torch expression.
 #include <torch/extension.h>
+#include <immintrin.h>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#include "simd.h"
 
 namespace {
 
@@ -80,7 +83,19 @@ void silu_mul_rows(const T* x, int64_t rows, int64_t I, T* y) {
     const T* g = x + t * 2 * I;
     const T* u = g + I;
     T* yr = y + t * I;
-    for (int64_t i = 0; i < I; ++i) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    alignas(64) float e[16];
+    for (; i + 16 <= I; i += 16) {   // the exps 16 at a time; the rest as below
+      for (int l = 0; l < 16; ++l) e[l] = -f32(g[i + l]);
+      _mm512_store_ps(e, exp16(_mm512_load_ps(e)));
+      for (int l = 0; l < 16; ++l) {
+        const float x = f32(g[i + l]);
+        yr[i + l] = to<T>(rnd<T>(x / (1.f + e[l])) * f32(u[i + l]));
+      }
+    }
+#endif
+    for (; i < I; ++i) {
       const float v = f32(g[i]);
       yr[i] = to<T>(rnd<T>(v / (1.f + std::exp(-v))) * f32(u[i]));
     }

@@ -1,6 +1,8 @@
 """The C++ matmuls of a few rows (int4_gemv.cpp, int8_gemv.cpp): a decode step's, which
 is bandwidth-bound and where torch's weight-only kernels reach about half of what a core
-streams. The int4 weight has its own layout (below); the int8 weight is Int8Weight's own.
+streams; and of a decode batch's rows (batch_gemm.cpp: the weight decoded once per call,
+multiplied against every row). The int4 weight has its own layout (below); the int8 weight
+is Int8Weight's own.
 
 codes [N, K/2] uint8: each 64 inputs (groups 2b and 2b + 1 of 32) are 32 bytes, byte i
 holding input i of the first group in its low nibble and input i of the second in its high
@@ -33,6 +35,25 @@ def int8_gemv_ready() -> bool:
 
 def _mod():
     return None if os.environ.get("PDMESH_CPU_GEMV", "1") == "0" else load()
+
+
+def batch_ready() -> bool:
+    """Whether int4_gemm and int8_gemm run here (built with AVX512-BF16)."""
+    mod = _mod()
+    return mod is not None and mod.batch_simd()
+
+
+def int4_gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+              zero: torch.Tensor) -> torch.Tensor:
+    """int4_gemv's product for a decode batch (the weight decoded to int4_dequant's bfloat16
+    values once, float32 sums): each row's result the same bits at any row count."""
+    return load().int4_gemm(x.contiguous(), codes, scale, zero)
+
+
+def int8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8_gemv's product for 3 rows and more (q exact in bfloat16, float32 sums, the row's
+    scale after): each row's result the same bits at any row count."""
+    return load().int8_gemm(x.contiguous(), q, scale)
 
 
 def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -94,20 +115,24 @@ def scratch(numel: int) -> torch.Tensor:
     return buf
 
 
-GEMV_MAX_ROWS = 8   # int4: more rows go to torch's bfloat16 GEMM on the dequantized weight.
-#                     SmolLM2's gate|up, one core (int4_gemv / dequantize + GEMM / torch's
-#                     int4 kernel, us): 6 rows 285 / 432 / 268; 8: 365 / 461 / 343;
-#                     12: 540 / 524; 16: 779 / 585 / 674; 64: 3093 / 1338 / 2674
-INT8_GEMV_MAX_ROWS = 2   # int8 (the LM head): SmolLM2's half head, one core (int8_gemv /
-#                          torch's int8 kernel, us): 1 row 1218 / 1528; 2: 1760 / 2439;
-#                          4: 4298 / 3049; 8: 7916 / 5717
+GEMV_MAX_ROWS = 8   # int4: a verify of up to 7 drafts gets a decode step's bits; more rows
+#                     go to int4_gemm. SmolLM2's gate|up, one core (int4_gemv / int4_gemm /
+#                     dequantize + torch's bfloat16 GEMM, us): 8 rows 365 / 257 / 370;
+#                     9: 504 / 335 / 520; 16: 797 / 419 / 592; 32: 1484 / 770 / 858;
+#                     64: 3034 / 1419 / 1616
+GEMM_MAX_ROWS = 64  # int4: from here on (prefill) oneDNN's blocking wins
+INT8_GEMV_MAX_ROWS = 2   # int8 (the LM head): more rows go to int8_gemm. SmolLM2's half
+#                          head, one core (int8_gemv / int8_gemm / torch's int8 kernel, us):
+#                          2 rows 1737 / 2057 / 2624; 3: 3286 / 2025 / 2865; 8: 7278 /
+#                          2995 / 5678; 16: 15964 / 4730 / 12710; 32: 27064 / 7291 / 21837
 
 
 class Int4Packed:
     """An int4 weight in int4_gemv's layout: x @ w.T on int4_gemv up to GEMV_MAX_ROWS rows
     (small decode batches, speculative verifies: each row's result the same bits at any
-    row count up to there), on torch's bfloat16 GEMM over the dequantized weight from there
-    (prefill, larger batches).
+    row count up to there), on int4_gemm up to GEMM_MAX_ROWS (decode batches: the same bits
+    at any row count in that range), on torch's bfloat16 GEMM over the dequantized weight
+    from there (prefill).
     Activations as torch's int4 kernel takes them: bfloat16 (a float32 x is rounded)."""
     __slots__ = ("codes", "scale", "zero")
 
@@ -124,6 +149,8 @@ class Int4Packed:
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= GEMV_MAX_ROWS:
             return int4_gemv(x, self.codes, self.scale, self.zero)
+        if x.shape[0] <= GEMM_MAX_ROWS and batch_ready():
+            return int4_gemm(x, self.codes, self.scale, self.zero)
         n, half = self.codes.shape
         w = int4_dequant(self.codes, self.scale, self.zero, scratch(n * half * 2))
         return torch.nn.functional.linear(x.to(torch.bfloat16), w).to(x.dtype)

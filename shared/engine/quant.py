@@ -2,13 +2,15 @@
 
   int8   per output channel, symmetric: w ~= q * scale, q in [-127, 127]; the matmul is
          kernels/cpu_ops/int8_gemv.cpp up to 2 rows on an AVX-512 CPU (the LM head of a
-         decode step at 1.3-1.4x), torch's `_weight_int8pack_mm` otherwise (activations stay
-         in the model dtype).
+         decode step at 1.3-1.4x), batch_gemm.cpp's int8_gemm from 3 rows with AVX512-BF16
+         (a decode batch's head: 2.7x at 16 rows), torch's `_weight_int8pack_mm` otherwise
+         (activations stay in the model dtype).
   int4   groups of `group_size` input channels (32, as the GGUF's Q4_1), asymmetric:
          w ~= (q - 8) * scale + zero, q in [0, 15]; on a CPU with AVX512-BF16,
          kernels/cpu_ops/int4_gemv.cpp for up to 8 rows (a decode step at 1.4-1.7x torch's
-         int4 kernel: the batch-1 matmul is bandwidth-bound) and torch's bfloat16 GEMM on
-         the dequantized weight from 9 rows (prefill, batches: 1.15x at 16, 2x at 64);
+         int4 kernel: the batch-1 matmul is bandwidth-bound), batch_gemm.cpp's int4_gemm
+         for 9-64 rows (a decode batch: 1.4x the dequantize + GEMM below at 16 rows) and
+         torch's bfloat16 GEMM on the dequantized weight from there (prefill);
          elsewhere torch's
          `_weight_int4pack_mm_for_cpu` (`_weight_int4pack_mm` on CUDA). Q4_1 stores
          w = q * d + m per group of 32, which is this grid with scale = d, zero = m + 8d;
@@ -36,7 +38,9 @@ from kernels.cpu_ops import dequant_rows, quant_rows
 from kernels.cpu_ops.gemv import (
     INT8_GEMV_MAX_ROWS,
     Int4Packed,
+    batch_ready,
     gemv_ready,
+    int8_gemm,
     int8_gemv,
     int8_gemv_ready,
 )
@@ -54,7 +58,7 @@ class Int8Weight:
     the bfloat16-activation kernel's throughput from 32 rows on; fewer rows (a batch-1
     decode step, bandwidth-bound) keep that kernel. Deterministic mode pads every forward
     to a fixed number of rows, so its numerics still do not depend on the batch."""
-    __slots__ = ("q", "scale", "scale_f", "a8", "packed", "_ones", "_zps", "gemv")
+    __slots__ = ("q", "scale", "scale_f", "a8", "packed", "_ones", "_zps", "gemv", "batch")
 
     def __init__(self, w: torch.Tensor, a8: bool = False):
         wf = w.float()
@@ -63,6 +67,7 @@ class Int8Weight:
         self.scale = scale.to(_act(w.dtype, w.is_cuda))
         self.a8 = a8 and not w.is_cuda
         self.gemv = not w.is_cuda and int8_gemv_ready()   # up to INT8_GEMV_MAX_ROWS rows
+        self.batch = not w.is_cuda and w.shape[1] % 32 == 0 and batch_ready()   # then int8_gemm
         self.scale_f = scale if self.a8 else None
         self.packed = _prepack(self.q) if self.a8 else None
         if self.packed is not None:   # the GEMM's own scales stay 1: its float32 output is
@@ -84,6 +89,8 @@ class Int8Weight:
             return self.mm_a8(x)
         if self.gemv and x.shape[0] <= INT8_GEMV_MAX_ROWS:
             return int8_gemv(x, self.q, self.scale)
+        if self.batch:
+            return int8_gemm(x, self.q, self.scale)
         return torch.ops.aten._weight_int8pack_mm(x.to(self.scale.dtype), self.q,
                                                   self.scale).to(x.dtype)
 

@@ -120,7 +120,11 @@ def paged_case(B, Hq, Hkv, D, BS, lens, dtype, seed=0):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B,Hq,Hkv,D,BS,lens", [
     (1, 9, 3, 64, 16, [100]), (3, 4, 4, 8, 4, [1, 4, 5]), (5, 6, 2, 20, 3, [0, 7, 2, 9, 31]),
-    (16, 9, 3, 64, 16, [17 * i + 1 for i in range(16)])])
+    (16, 9, 3, 64, 16, [17 * i + 1 for i in range(16)]),
+    # bfloat16's fast path: G = 8 at D = 128, G = 1 at D = 32, 16-position tails; G = 16
+    # and D = 320 take the generic loops
+    (4, 16, 2, 128, 16, [1, 15, 16, 33]), (2, 4, 4, 32, 8, [0, 40]), (1, 16, 1, 64, 16, [20]),
+    (1, 2, 1, 320, 4, [9])])
 def test_paged_decode_matches_the_torch_path(ext, dtype, B, Hq, Hkv, D, BS, lens):
     from kernels.paged_attention.ref import paged_attention_decode_ref
 
