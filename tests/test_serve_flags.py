@@ -32,7 +32,7 @@ SHORT_LOCAL = {"min_pd_prompt_tokens": 1000}     # prompts under 1000 tokens pre
 def test_bare_up_runs_the_fast_configuration():
     kw = kwargs("up")
     assert kw["threads"] == "auto"
-    assert kw["overrides"] == {"decode": {"quantize": "auto", "head_split": True} | SPECULATION | SHORT_LOCAL,
+    assert kw["overrides"] == {"decode": {"quantize": "auto", "head_split": True, "batch_helper": True} | SPECULATION | SHORT_LOCAL,
                                "prefill": {"quantize": "auto"}}
     assert kwargs("serve") == kw
     c = Cluster(**(kw | {"model": "unused", "echo": False}))   # argv only, not started
@@ -42,7 +42,7 @@ def test_bare_up_runs_the_fast_configuration():
     assert argv[argv.index("--spec-max-batch") + 1] == "2"
     assert argv[argv.index("--min-pd-prompt-tokens") + 1] == "1000"
     assert kwargs("up", "--no-speculation")["overrides"]["decode"] == {"quantize": "auto",
-                                                                     "head_split": True} \
+                                                                     "head_split": True, "batch_helper": True} \
         | SHORT_LOCAL
     assert kwargs("up", "--min-pd-prompt-tokens", "0")["overrides"]["decode"][
         "min_pd_prompt_tokens"] == 0
@@ -51,10 +51,10 @@ def test_bare_up_runs_the_fast_configuration():
 
 def test_quantization_none_is_the_unquantized_dtype():
     o = kwargs("up", "--quantization", "none")["overrides"]
-    assert o == {"decode": {"quantize": "", "head_split": False} | SPECULATION | SHORT_LOCAL,
+    assert o == {"decode": {"quantize": "", "head_split": False, "batch_helper": False} | SPECULATION | SHORT_LOCAL,
                  "prefill": {"quantize": ""}}
     o = kwargs("up", "--act-int8", "--dtype", "float32")["overrides"]
-    assert o["decode"] == {"quantize": "auto", "head_split": True, "act_int8": True,
+    assert o["decode"] == {"quantize": "auto", "head_split": True, "batch_helper": True, "act_int8": True,
                            "smoothquant": True, "dtype": "float32"} | SPECULATION | SHORT_LOCAL
 
 
@@ -70,7 +70,7 @@ def test_serve_takes_vllm_flags_and_the_command_line_wins_over_the_file(tmp_path
     assert kwargs("serve", "--config", str(f), "--decode", "1")["decode"] == 1   # a default, given
     assert kw["overrides"] == {
         "gateway": {"api_key": "a,b", "served_model_name": "tiny", "max_model_len": 512},
-        "decode": {"max_model_len": 512, "quantize": "", "head_split": False,
+        "decode": {"max_model_len": 512, "quantize": "", "head_split": False, "batch_helper": False,
                    "num_blocks": 64, "prefix_cache": False} | SPECULATION | SHORT_LOCAL,
         "prefill": {"max_model_len": 512, "quantize": "", "prefix_cache": False}}
     # the file's service tables win over the defaults; --set over everything

@@ -25,7 +25,15 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cstdint>
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <functional>
+#include <mutex>
+#include <sched.h>
+#include <thread>
 #include <vector>
 
 #include "simd.h"
@@ -42,6 +50,79 @@ inline uint16_t f_bits(float f) {   // round half to even, as torch's float -> b
   if (f != f) return 0x7FC0u;
   return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
 }
+
+// One helper thread (set_batch_helper(true): decode, where prefill's core is mostly idle)
+// that takes work items from the calling thread's matmul as it gets a core. Items are
+// claimed from one counter, so a helper that the OS does not schedule (prefill busy on its
+// core) costs nothing but its wake-up: the calling thread takes the items it leaves. It
+// blocks on a condition variable between matmuls (no spinning on the other service's core).
+// An item runs the same instructions on either thread: the bits do not depend on which.
+class Helper {
+ public:
+  static constexpr int kSpinUs = 300;
+
+  // run item(i) for i in [0, n) on this thread and the helper; return when all are done
+  void run(int64_t n, const std::function<void(int64_t)>& item) {
+    next_.store(0);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      item_ = &item, n_ = n, open_ = true, ++gen_;
+      pub_.store(gen_, std::memory_order_release);
+    }
+    cv_.notify_one();
+    for (int64_t i; (i = next_.fetch_add(1)) < n;) item(i);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      open_ = false;                       // a helper that wakes from here on finds no job
+    }
+    while (busy_.load(std::memory_order_acquire)) _mm_pause();   // its item, µs at most
+  }
+
+  static Helper* get() {   // started on first use, never destroyed (a detached thread)
+    static Helper* h = [] {
+      auto* p = new Helper;
+      std::thread([p] { p->loop(); }).detach();
+      return p;
+    }();
+    return h;
+  }
+
+ private:
+  void loop() {
+    uint64_t seen = 0;
+    for (;;) {
+      const std::function<void(int64_t)>* item;
+      int64_t n;
+      // a decode step's next matmul comes within ~0.1 ms: wait for it yielding the core
+      // (to prefill, if it runs there) rather than asleep (a wake-up costs about as much)
+      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinUs);
+      while (pub_.load(std::memory_order_acquire) == seen && std::chrono::steady_clock::now() < until)
+        sched_yield();
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [&] { return gen_ != seen; });
+        seen = gen_;
+        if (!open_) continue;
+        busy_.store(true, std::memory_order_release);   // under the lock: run() waits for it
+        item = item_, n = n_;
+      }
+      for (int64_t i; (i = next_.fetch_add(1)) < n;) (*item)(i);
+      busy_.store(false, std::memory_order_release);
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  const std::function<void(int64_t)>* item_ = nullptr;
+  int64_t n_ = 0;
+  uint64_t gen_ = 0;
+  std::atomic<uint64_t> pub_{0};   // gen_, readable without the lock
+  bool open_ = false;
+  std::atomic<int64_t> next_{0};
+  std::atomic<bool> busy_{false};
+};
+
+std::atomic<bool> g_helper{false};
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 constexpr bool kSimd = true;
@@ -104,30 +185,39 @@ void tile(const uint16_t* wb, const uint16_t* xb, int64_t K, float* o) {
   _mm512_storeu_ps(o, reduce16(acc));   // lane j = m * kNR + r: acc's order
 }
 
-// y[m, n] = scale(n) * dot(x[m], w[n]) for all rows; decode(n, out) writes weight row n
+// y[m, n] = scale(n) * dot(x[m], w[n]) for all rows; decode(n, out) writes weight row n.
+// Work items: (pass over kMChunk rows of x, kSpan weight rows), on the helper too when on;
+// an item's outputs fill whole cache lines of y (items of one tile each had the two threads
+// writing the same lines: slower on two cores than on one).
 template <typename Decode, typename Scale>
 void gemm(const uint16_t* xb, int64_t M, int64_t Mp, int64_t K, int64_t N, float* y,
           Decode decode, Scale scale) {
-  const int64_t tiles = (N + kNR - 1) / kNR;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<uint16_t> wb(kNR * K);
+  constexpr int64_t kSpan = 64;
+  const int64_t spans = (N + kSpan - 1) / kSpan, passes = (Mp + kMChunk - 1) / kMChunk;
+  const std::function<void(int64_t)> item = [&](int64_t i) {
+    thread_local std::vector<uint16_t> wb;
+    wb.resize(kNR * K);
     alignas(64) float o[kMR * kNR];
-    for (int64_t mc = 0; mc < Mp; mc += kMChunk) {
-      const int64_t mend = mc + kMChunk < Mp ? mc + kMChunk : Mp;
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t n0 = t * kNR, nr = N - n0 < kNR ? N - n0 : kNR;
-        for (int r = 0; r < kNR; ++r) {
-          if (r < nr) decode(n0 + r, wb.data() + r * K);
-          else std::memset(wb.data() + r * K, 0, K * 2);
-        }
-        for (int64_t m0 = mc; m0 < mend; m0 += kMR) {
-          tile(wb.data(), xb + m0 * K, K, o);
-          for (int m = 0; m < kMR && m0 + m < M; ++m)
-            for (int r = 0; r < nr; ++r) y[(m0 + m) * N + n0 + r] = o[m * kNR + r] * scale(n0 + r);
-        }
+    const int64_t mc = i / spans * kMChunk, n1 = std::min(N, (i % spans + 1) * kSpan);
+    const int64_t mend = std::min(Mp, mc + kMChunk);
+    for (int64_t n0 = i % spans * kSpan; n0 < n1; n0 += kNR) {
+      const int64_t nr = std::min<int64_t>(n1 - n0, kNR);
+      for (int r = 0; r < kNR; ++r) {
+        if (r < nr) decode(n0 + r, wb.data() + r * K);
+        else std::memset(wb.data() + r * K, 0, K * 2);
+      }
+      for (int64_t m0 = mc; m0 < mend; m0 += kMR) {
+        tile(wb.data(), xb + m0 * K, K, o);
+        for (int m = 0; m < kMR && m0 + m < M; ++m)
+          for (int r = 0; r < nr; ++r) y[(m0 + m) * N + n0 + r] = o[m * kNR + r] * scale(n0 + r);
       }
     }
-  });
+  };
+  if (g_helper.load(std::memory_order_relaxed) && spans * passes > 1) {
+    Helper::get()->run(spans * passes, item);
+  } else {
+    for (int64_t i = 0; i < spans * passes; ++i) item(i);
+  }
 }
 #else
 constexpr bool kSimd = false;
@@ -158,6 +248,9 @@ torch::Tensor run(const torch::Tensor& x, int64_t N, const char* name, Body body
 }  // namespace
 
 bool batch_simd() { return kSimd; }
+
+// whether int4_gemm and int8_gemm share their work with the helper thread
+void set_batch_helper(bool on) { g_helper.store(on); }
 
 // x [M, K] float32 | bfloat16, codes [N, K/2] (gemv_pack), scale and zero bfloat16
 // [N, K/32] -> [M, N] in x's dtype

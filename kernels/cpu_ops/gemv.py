@@ -43,6 +43,14 @@ def batch_ready() -> bool:
     return mod is not None and mod.batch_simd()
 
 
+def set_batch_helper(on: bool) -> None:
+    """int4_gemm and int8_gemm share their work with one helper thread (the engine's
+    batch_helper): it takes work items as the OS gives it a core, so a busy second core
+    costs only its wake-ups."""
+    if batch_ready():
+        load().set_batch_helper(on)
+
+
 def int4_gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
               zero: torch.Tensor) -> torch.Tensor:
     """int4_gemv's product for a decode batch (the weight decoded to int4_dequant's bfloat16

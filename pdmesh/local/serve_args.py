@@ -48,7 +48,7 @@ DESCRIPTION = (
     "Run the whole mesh on this machine: nats-server, kvstore, prefill, decode and the "
     "OpenAI-compatible gateway. Without tuning flags it runs the fast configuration: int4 "
     "weights (perplexity within 1%% of bfloat16; a GGUF keeps its own precision), decode's "
-    "LM head on two threads, "
+    "LM head on two threads and its batches' matmuls on a helper thread, "
     "--threads auto. A setting comes from, strongest first: --set, a flag, the --config "
     "file's service tables, its [serve] table, the default shown.")
 ACT_INT8_HELP = (
@@ -204,7 +204,7 @@ def _engines(**kw) -> Overrides:
 
 def _quantization(q: str) -> Overrides:
     q = "" if q == "none" else q
-    return merge(_engines(quantize=q), {"decode": {"head_split": bool(q)}})
+    return merge(_engines(quantize=q), {"decode": {"head_split": bool(q), "batch_helper": bool(q)}})
 
 
 # --speculation (pdmesh up's default and compose.yaml's): n-gram drafts, k <= 4, while at

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.cpu_ops.gemv import set_batch_helper
 from shared.contracts.messages import FinishReason
 
 from .batch import build_batch
@@ -86,6 +87,8 @@ class LLMEngine:
         if cfg.quantize == "auto":
             cfg = cfg.with_quantize(auto_quantize(folder))
         self.cfg = cfg
+        if cfg.batch_helper and cfg.quantize and cfg.device == "cpu":
+            set_batch_helper(True)
         self.model_cfg = mc = load_config(folder)
         if tokenizer == "auto":
             from .tokenizer import Tokenizer

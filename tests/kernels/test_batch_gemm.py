@@ -101,3 +101,21 @@ def test_int4_weight_takes_int4_gemm_for_a_decode_batch():
     for m in (GEMV_MAX_ROWS + 1, GEMM_MAX_ROWS):
         x = rows(m, 576, m)
         assert torch.equal(lin.mm(x), int4_gemm(x, g.codes, g.scale, g.zero)), m
+
+
+def test_the_helper_thread_changes_no_bit():
+    """With the helper on (pdmesh up's decode), the work items run on two threads in an
+    order the OS picks: each item's results are the same bits as on one thread."""
+    from kernels.cpu_ops.gemv import set_batch_helper
+
+    codes, s, z = weight(3072, 576)
+    head = Int8Weight(rows(4099, 576, 10) * 0.05)
+    x = rows(70, 576, 11)
+    one = [int4_gemm(x, codes, s, z), int8_gemm(x[:16], head.q, head.scale)]
+    set_batch_helper(True)
+    try:
+        for _ in range(3):
+            two = [int4_gemm(x, codes, s, z), int8_gemm(x[:16], head.q, head.scale)]
+            assert torch.equal(two[0], one[0]) and torch.equal(two[1], one[1])
+    finally:
+        set_batch_helper(False)
