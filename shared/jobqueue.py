@@ -25,7 +25,7 @@ import uuid
 import nats.errors
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, PubAck
-from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
+from nats.js.errors import APIError, NoStreamResponseError, NotFoundError, ServiceUnavailableError
 
 from shared import subjects
 from shared.jobstream import wait_stream
@@ -35,6 +35,7 @@ log = logging.getLogger("pdmesh.jobqueue")
 PUBLISH_RETRY_S = 20.0           # publish_job keeps trying this long (leader elections)
 REPAIR_EVERY_S = 1.0             # JobPuller: at most one repair per second
 CHECK_IDLE_S = 5.0               # JobPuller: idle this long -> check the consumer is there
+UNAVAILABLE_S = 3.0              # JobPuller: 503s this long -> repair (sooner: an election)
 
 
 def consumer_config(ack_wait_s: float, max_deliver: int, max_ack_pending: int) -> ConsumerConfig:
@@ -82,8 +83,9 @@ async def publish_job(js: JetStreamContext, data: bytes, *, timeout: float = 5.0
 
 class JobPuller:
     """A pull subscription on the job queue that repairs itself: a fetch that fails for
-    anything but "no job yet", or a long idle spell, checks the durable consumer and
-    re-creates it when it is missing (once the admin has the stream back).
+    anything but "no job yet" or a short spell of 503s (a leader election), or a long idle
+    spell, checks the durable consumer and re-creates it when it is missing (once the
+    admin has the stream back).
     fetch/unsubscribe as nats-py's."""
 
     def __init__(self, js: JetStreamContext, sub, consumer: ConsumerConfig):
@@ -99,6 +101,13 @@ class JobPuller:
             if time.monotonic() - self._last_ok > CHECK_IDLE_S:
                 self._last_ok = time.monotonic()
                 await self.repair(check=True)
+            raise
+        except ServiceUnavailableError:
+            # no responder: a leader election (the consumer is there; a repair then only
+            # waited its 2-4 s of timeouts before the next fetch), or a lost consumer,
+            # repaired once the 503s last UNAVAILABLE_S
+            if time.monotonic() - self._last_ok > UNAVAILABLE_S:
+                await self.repair()
             raise
         except Exception:
             await self.repair()
