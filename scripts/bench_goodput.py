@@ -15,7 +15,8 @@ same host, the same requests in the same order at the same arrival times.
             p99 ITL over all requests are reported beside it
   servers   `pdmesh up` at its defaults (PD: one prefill, one decode), `pdmesh up --mode
             colocated`, `pdmesh up` with prompts under --pd-from tokens prefilled on decode
-            (decode.min_pd_prompt_tokens), and llama-server (-t 2 -np 8 -c 65536: 8,192 tokens per slot) on
+            (decode.min_pd_prompt_tokens), `pdmesh up` without decode's batch helper thread
+            (the A/B of what it costs prefill), and llama-server (-t 2 -np 8 -c 65536: 8,192 tokens per slot) on
             the bundled GGUF when --llama-server names its binary
 
     python scripts/bench_goodput.py [--llama-server PATH] [--rates 0.5 1 2 4]
@@ -124,6 +125,8 @@ def servers(args) -> list[tuple[str, list[str], str | None, str]]:
            ("pdmesh colocated", up + ["--mode", "colocated"], None, "SmolLM2-135M-Instruct"),
            (f"pdmesh PD from {args.pd_from} tokens",
             up + ["--set", f"decode.min_pd_prompt_tokens={args.pd_from}"], None,
+            "SmolLM2-135M-Instruct"),
+           ("pdmesh PD, no batch helper", up + ["--set", "decode.batch_helper=false"], None,
             "SmolLM2-135M-Instruct")]
     if args.llama_server:
         from shared.engine.gguf_convert import find_gguf

@@ -69,9 +69,14 @@ void rope_rows(const T* x, int64_t s_t, int64_t s_h, int64_t rows, int64_t heads
     for (int64_t h = 0; h < heads; ++h) {
       const T* xr = x + t * s_t + h * s_h;
       T* yr = y + (t * heads + h) * D;
-      for (int64_t d = 0; d < D; ++d) {
-        const int64_t p = interleaved ? (d ^ 1) : (d < half ? d + half : d - half);
+      auto one = [&](int64_t d, int64_t p) {
         yr[d] = to<T>(rnd<T>(f32(xr[d]) * f32(c[d])) + rnd<T>(f32(xr[p]) * f32(s[d])));
+      };
+      if (interleaved) {
+        for (int64_t d = 0; d < D; ++d) one(d, d ^ 1);
+      } else {   // the halves' loops apart: each vectorizes (one with a partner per element did not)
+        for (int64_t d = 0; d < half; ++d) one(d, d + half);
+        for (int64_t d = half; d < D; ++d) one(d, d - half);
       }
     }
   }
