@@ -26,16 +26,10 @@
 #include <immintrin.h>
 #include <cstdint>
 #include <algorithm>
-#include <atomic>
-#include <chrono>
-#include <condition_variable>
 #include <cstring>
-#include <functional>
-#include <mutex>
-#include <sched.h>
-#include <thread>
 #include <vector>
 
+#include "helper.h"
 #include "simd.h"
 
 namespace {
@@ -51,78 +45,6 @@ inline uint16_t f_bits(float f) {   // round half to even, as torch's float -> b
   return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
 }
 
-// One helper thread (set_batch_helper(true): decode, where prefill's core is mostly idle)
-// that takes work items from the calling thread's matmul as it gets a core. Items are
-// claimed from one counter, so a helper that the OS does not schedule (prefill busy on its
-// core) costs nothing but its wake-up: the calling thread takes the items it leaves. It
-// blocks on a condition variable between matmuls (no spinning on the other service's core).
-// An item runs the same instructions on either thread: the bits do not depend on which.
-class Helper {
- public:
-  static constexpr int kSpinUs = 300;
-
-  // run item(i) for i in [0, n) on this thread and the helper; return when all are done
-  void run(int64_t n, const std::function<void(int64_t)>& item) {
-    next_.store(0);
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      item_ = &item, n_ = n, open_ = true, ++gen_;
-      pub_.store(gen_, std::memory_order_release);
-    }
-    cv_.notify_one();
-    for (int64_t i; (i = next_.fetch_add(1)) < n;) item(i);
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      open_ = false;                       // a helper that wakes from here on finds no job
-    }
-    while (busy_.load(std::memory_order_acquire)) _mm_pause();   // its item, µs at most
-  }
-
-  static Helper* get() {   // started on first use, never destroyed (a detached thread)
-    static Helper* h = [] {
-      auto* p = new Helper;
-      std::thread([p] { p->loop(); }).detach();
-      return p;
-    }();
-    return h;
-  }
-
- private:
-  void loop() {
-    uint64_t seen = 0;
-    for (;;) {
-      const std::function<void(int64_t)>* item;
-      int64_t n;
-      // a decode step's next matmul comes within ~0.1 ms: wait for it yielding the core
-      // (to prefill, if it runs there) rather than asleep (a wake-up costs about as much)
-      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinUs);
-      while (pub_.load(std::memory_order_acquire) == seen && std::chrono::steady_clock::now() < until)
-        sched_yield();
-      {
-        std::unique_lock<std::mutex> lk(mu_);
-        cv_.wait(lk, [&] { return gen_ != seen; });
-        seen = gen_;
-        if (!open_) continue;
-        busy_.store(true, std::memory_order_release);   // under the lock: run() waits for it
-        item = item_, n = n_;
-      }
-      for (int64_t i; (i = next_.fetch_add(1)) < n;) (*item)(i);
-      busy_.store(false, std::memory_order_release);
-    }
-  }
-
-  std::mutex mu_;
-  std::condition_variable cv_;
-  const std::function<void(int64_t)>* item_ = nullptr;
-  int64_t n_ = 0;
-  uint64_t gen_ = 0;
-  std::atomic<uint64_t> pub_{0};   // gen_, readable without the lock
-  bool open_ = false;
-  std::atomic<int64_t> next_{0};
-  std::atomic<bool> busy_{false};
-};
-
-std::atomic<bool> g_helper{false};
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 constexpr bool kSimd = true;
@@ -213,7 +135,7 @@ void gemm(const uint16_t* xb, int64_t M, int64_t Mp, int64_t K, int64_t N, float
       }
     }
   };
-  if (g_helper.load(std::memory_order_relaxed) && spans * passes > 1) {
+  if (helper_on() && spans * passes > 1) {
     Helper::get()->run(spans * passes, item);
   } else {
     for (int64_t i = 0; i < spans * passes; ++i) item(i);
@@ -250,7 +172,7 @@ torch::Tensor run(const torch::Tensor& x, int64_t N, const char* name, Body body
 bool batch_simd() { return kSimd; }
 
 // whether int4_gemm and int8_gemm share their work with the helper thread
-void set_batch_helper(bool on) { g_helper.store(on); }
+void set_batch_helper(bool on) { helper_flag().store(on); }
 
 // x [M, K] float32 | bfloat16, codes [N, K/2] (gemv_pack), scale and zero bfloat16
 // [N, K/32] -> [M, N] in x's dtype

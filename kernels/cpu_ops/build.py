@@ -34,7 +34,8 @@ SOURCE = Path(__file__).with_name("ops.cpp")
 SOURCES = (SOURCE, *(Path(__file__).with_name(f) for f in ("kv_copy.cpp", "int4_gemv.cpp",
                                                            "int8_gemv.cpp", "fused.cpp",
                                                            "batch_gemm.cpp")))
-HEADERS = tuple(Path(__file__).with_name(f) for f in ("tiles.h", "simd.h"))   # in the digest
+# headers: in the build's digest, not compiled alone
+HEADERS = tuple(Path(__file__).with_name(f) for f in ("tiles.h", "simd.h", "helper.h"))
 _cache: dict[str, object] = {}
 _lock = threading.Lock()
 

@@ -44,9 +44,9 @@ def batch_ready() -> bool:
 
 
 def set_batch_helper(on: bool) -> None:
-    """int4_gemm and int8_gemm share their work with one helper thread (the engine's
-    batch_helper): it takes work items as the OS gives it a core, so a busy second core
-    costs only its wake-ups."""
+    """int4_gemv, int4_gemm and int8_gemm share their work with one helper thread (the
+    engine's batch_helper, helper.h): it takes work items as the OS gives it a core, so a
+    busy second core costs only its wake-ups."""
     if batch_ready():
         load().set_batch_helper(on)
 

@@ -22,6 +22,7 @@
 #include <cstring>
 #include <vector>
 
+#include "helper.h"
 #include "tiles.h"
 
 namespace {
@@ -126,7 +127,8 @@ void tile(const uint8_t* wq, const uint16_t* sc, const uint16_t* ze, int64_t ng,
 
 // the weight against M rows of x, tile by tile (tiles.h)
 void rows_simd(const uint8_t* wq, const uint16_t* sc, const uint16_t* ze, int64_t ng,
-               const uint16_t* xb, const float* xs, int64_t M, int64_t K, float* y, int64_t N) {
+               const uint16_t* xb, const float* xs, int64_t M, int64_t K, float* y, int64_t N,
+               int64_t ldy) {
   walk_tiles(M, N, y, [&](auto nr_, auto mr_, int64_t n, int64_t m0, float* o) {
     constexpr int nr = decltype(nr_)::value, mr = decltype(mr_)::value;
     const uint16_t* xr[mr];
@@ -136,7 +138,7 @@ void rows_simd(const uint8_t* wq, const uint16_t* sc, const uint16_t* ze, int64_
       sr[i] = xs + (m0 + i) * ng;
     }
     tile<nr, mr>(wq + n * ng * 16, sc + n * ng, ze + n * ng, ng, xr, sr, o);
-  });
+  }, ldy);
 }
 #else
 constexpr bool kSimd = false;
@@ -157,7 +159,20 @@ void gemv_kernel(const T* x, int64_t M, int64_t K, const uint8_t* wq, const uint
     out = yf.data();
   }
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-  rows_simd(wq, sc, ze, ng, xb.data(), xs.data(), M, K, out, N);
+  // spans of 64 weight rows (whole cache lines of y), on the helper thread too when on
+  // (decode at one or two sequences reads the weight at two cores' bandwidth)
+  constexpr int64_t kSpan = 64;
+  const int64_t spans = (N + kSpan - 1) / kSpan;
+  const uint16_t* xbp = xb.data();   // (xb, xs: this thread's; the helper has its own)
+  const float* xsp = xs.data();
+  if (helper_on() && spans > 1) {
+    Helper::get()->run(spans, [=](int64_t i) {
+      const int64_t n0 = i * kSpan, n = N - n0 < kSpan ? N - n0 : kSpan;
+      rows_simd(wq + n0 * ng * 16, sc + n0 * ng, ze + n0 * ng, ng, xbp, xsp, M, K, out + n0, n, N);
+    });
+  } else {
+    rows_simd(wq, sc, ze, ng, xbp, xsp, M, K, out, N, N);
+  }
 #else
   TORCH_CHECK(false, "int4_gemv: built without AVX512-BF16 (int4_simd() is false)");
 #endif

@@ -48,7 +48,7 @@ DESCRIPTION = (
     "Run the whole mesh on this machine: nats-server, kvstore, prefill, decode and the "
     "OpenAI-compatible gateway. Without tuning flags it runs the fast configuration: int4 "
     "weights (perplexity within 1%% of bfloat16; a GGUF keeps its own precision), decode's "
-    "LM head on two threads and its batches' matmuls on a helper thread, "
+    "LM head on two threads and its matmuls shared with a helper thread, "
     "--threads auto. A setting comes from, strongest first: --set, a flag, the --config "
     "file's service tables, its [serve] table, the default shown.")
 ACT_INT8_HELP = (

@@ -15,6 +15,7 @@ from kernels.cpu_ops.gemv import (
     gemv_pack,
     int4_dequant,
     int4_gemm,
+    int4_gemv,
     int4_gemv_ref,
     int8_gemm,
 )
@@ -108,14 +109,18 @@ def test_the_helper_thread_changes_no_bit():
     order the OS picks: each item's results are the same bits as on one thread."""
     from kernels.cpu_ops.gemv import set_batch_helper
 
-    codes, s, z = weight(3072, 576)
+    codes, s, z = weight(3075, 576)          # (a last span of 3 weight rows)
     head = Int8Weight(rows(4099, 576, 10) * 0.05)
     x = rows(70, 576, 11)
-    one = [int4_gemm(x, codes, s, z), int8_gemm(x[:16], head.q, head.scale)]
+
+    def products():
+        return [int4_gemm(x, codes, s, z), int8_gemm(x[:16], head.q, head.scale),
+                *(int4_gemv(x[:m], codes, s, z) for m in (1, 2, GEMV_MAX_ROWS))]
+    one = products()
     set_batch_helper(True)
     try:
         for _ in range(3):
-            two = [int4_gemm(x, codes, s, z), int8_gemm(x[:16], head.q, head.scale)]
-            assert torch.equal(two[0], one[0]) and torch.equal(two[1], one[1])
+            for a, b in zip(products(), one):
+                assert torch.equal(a, b)
     finally:
         set_batch_helper(False)
