@@ -136,16 +136,24 @@ def test_the_grafana_dashboard_reads_only_series_the_mesh_exposes(up):
 SERVICES = ('service="decode"', 'service="prefill"', 'service="kvstore"')
 
 
-async def scrape_mesh(m: UpMesh, after: str = "") -> str:
+async def scrape_mesh(m: UpMesh, after: str = "", grown: tuple[str, ...] = ()) -> str:
     """/metrics once every service's federated series are in it (and differ from `after`:
-    the gateway has refreshed them since)."""
+    the gateway has refreshed them since), and each counter named in `grown` is above its
+    value in `after` (the gateway refreshes each service's series on its own: one that
+    changed says nothing of prefill's)."""
     deadline = time.monotonic() + 60
     while True:
         text = await scrape(m)
-        if all(s in text for s in SERVICES) and (not after or federated(text) != federated(after)):
+        if all(s in text for s in SERVICES) and (not after or federated(text) != federated(after)) \
+                and all(grew(after, text, name) for name in grown):
             return text
         assert time.monotonic() < deadline, text
         await asyncio.sleep(0.5)
+
+
+def grew(before: str, after: str, name: str) -> bool:
+    old, new = samples(before, ("counter",)), samples(after, ("counter",))
+    return any(k[0] == name and v > old.get(k, 0.0) for k, v in new.items())
 
 
 def federated(text: str) -> list[str]:
@@ -171,7 +179,8 @@ def test_every_service_is_federated_with_its_pd_series_and_counters_only_go_up(u
                 "messages": [{"role": "user", "content": f"item {i}: " + "data " * 30}]}
         status, body = run(up, _get(m.url + "/v1/chat/completions", KEY, chat))
         assert status == 200, body
-    after = run(up, scrape_mesh(m, after=before))
+    after = run(up, scrape_mesh(m, after=before, grown=("pdmesh_prefill_jobs_done_total",
+                                                        "pdmesh_decode_kv_received_bytes_total")))
     for series in ('pdmesh_decode_claims_granted_total{instance="decode_0",service="decode"}',
                    'pdmesh_decode_kv_writes_fenced_total{instance="decode_0"',
                    'pdmesh_decode_reclaims_total{instance="decode_0",outcome="acked"',
