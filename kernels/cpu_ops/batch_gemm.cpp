@@ -7,22 +7,17 @@
 // oneDNN's bfloat16 GEMM (int4), or torch's int8 kernel, which reads the weight once per
 // four rows (the LM head: 27 of a 16-row step's 91 ms on one core).
 //
-// Order within a block: a weight row's 32 inputs are decoded as [the even inputs | the odd
-// inputs] (the two halves of each 32-bit lane, widened in place), and x is laid out the same
-// way, so vdpbf16ps pairs each weight with its own input.
-//
-// The int4 weight w = (q - 8) * scale + zero (int4_gemv.cpp's layout), decoded as
-// fma(128 + q, scale, zero - 136 scale) in float32, rounded to bfloat16: the same values as
-// int4_dequant's up to the last bit of some. The int8 weight: q exactly in bfloat16, the
-// row's scale applied to the dot. x is rounded to bfloat16 (as the int4 and int8 kernels
-// of torch take it).
+// The int4 weight (int4_gemv.cpp's layout) is decoded to exactly int4_dequant's bfloat16
+// values: each group's 16 possible values, (q - 8) * scale + zero in float32 then rounded,
+// make a table that vpermw indexes by the codes. The int8 weight: q exactly in bfloat16,
+// the row's scale applied to the dot. x is rounded to bfloat16 (as the int4 and int8
+// kernels of torch take it).
 //
 // Row invariance: every (row of x, weight row) pair runs the same instructions in the same
 // order whatever M is and wherever the row sits (a tile of 4 x 4 with zero rows past the
 // end, one accumulator per pair over the blocks in order, one fixed reduction tree): a
 // sequence's logits do not depend on its batch within this kernel's range of rows.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cstdint>
 #include <algorithm>
@@ -44,7 +39,6 @@ inline uint16_t f_bits(float f) {   // round half to even, as torch's float -> b
   if (f != f) return 0x7FC0u;
   return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
 }
-
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 constexpr bool kSimd = true;
@@ -145,7 +139,8 @@ void gemm(const uint16_t* xb, int64_t M, int64_t Mp, int64_t K, int64_t N, float
 constexpr bool kSimd = false;
 #endif
 
-// x -> (its rows in block order, padded) for gemm; the output buffer as float32
+// x -> its rows as bfloat16, padded with zero rows to a multiple of kMR, for body (gemm);
+// the output as float32, returned in x's dtype
 template <typename Body>
 torch::Tensor run(const torch::Tensor& x, int64_t N, const char* name, Body body) {
   TORCH_CHECK(kSimd, name, ": built without AVX512-BF16 (batch_simd() is false)");
