@@ -17,7 +17,7 @@
 // order whatever M is and wherever the row sits (a tile of 4 x 4 with zero rows past the
 // end, one accumulator per pair over the blocks in order, one fixed reduction tree): a
 // sequence's logits do not depend on its batch within this kernel's range of rows.
-#include <torch/extension.h>
+#include "aten.h"
 #include <immintrin.h>
 #include <cstdint>
 #include <algorithm>
@@ -142,24 +142,24 @@ constexpr bool kSimd = false;
 // x -> its rows as bfloat16, padded with zero rows to a multiple of kMR, for body (gemm);
 // the output as float32, returned in x's dtype
 template <typename Body>
-torch::Tensor run(const torch::Tensor& x, int64_t N, const char* name, Body body) {
+at::Tensor run(const at::Tensor& x, int64_t N, const char* name, Body body) {
   TORCH_CHECK(kSimd, name, ": built without AVX512-BF16 (batch_simd() is false)");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && !x.is_cuda(), name, ": x [M, K] contiguous CPU");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               name, ": x float32 or bfloat16");
   const int64_t M = x.size(0), K = x.size(1), Mp = (M + kMR - 1) / kMR * kMR;
   TORCH_CHECK(K % kBlock == 0, name, ": in_features a multiple of 32");
-  auto yf = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
+  auto yf = at::empty({M, N}, x.options().dtype(at::kFloat));
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
   std::vector<uint16_t> xb(Mp * K, 0);
   {
-    pybind11::gil_scoped_release nogil;   // the engine thread's matmul; the event loop runs on
-    if (x.scalar_type() == torch::kBFloat16) prep_x(x.data_ptr<at::BFloat16>(), M, K, xb.data());
+    pybind11::gil_scoped_release_simple nogil;  // the engine thread's matmul; the event loop runs on
+    if (x.scalar_type() == at::kBFloat16) prep_x(x.data_ptr<at::BFloat16>(), M, K, xb.data());
     else prep_x(x.data_ptr<float>(), M, K, xb.data());
     body(xb.data(), M, Mp, K, yf.data_ptr<float>());
   }
 #endif
-  return x.scalar_type() == torch::kFloat32 ? yf : yf.to(x.scalar_type());
+  return x.scalar_type() == at::kFloat ? yf : yf.to(x.scalar_type());
 }
 
 }  // namespace
@@ -171,13 +171,13 @@ void set_batch_helper(bool on) { helper_flag().store(on); }
 
 // x [M, K] float32 | bfloat16, codes [N, K/2] (gemv_pack), scale and zero bfloat16
 // [N, K/32] -> [M, N] in x's dtype
-torch::Tensor int4_gemm(const torch::Tensor& x, const torch::Tensor& codes,
-                        const torch::Tensor& scale, const torch::Tensor& zero) {
+at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes,
+                     const at::Tensor& scale, const at::Tensor& zero) {
   const int64_t N = codes.size(0), K = codes.size(1) * 2;
-  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && x.size(-1) == K &&
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && x.size(-1) == K &&
                   K % 64 == 0, "int4_gemm: codes [N, K/2] uint8, K a multiple of 64");
   for (const auto* t : {&scale, &zero})
-    TORCH_CHECK(t->scalar_type() == torch::kBFloat16 && t->is_contiguous() && t->size(0) == N &&
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->size(0) == N &&
                     t->size(1) == K / kBlock, "int4_gemm: scale, zero [N, K/32] bfloat16");
   const auto* wq = codes.data_ptr<uint8_t>();
   const auto* sc = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>());
@@ -193,12 +193,12 @@ torch::Tensor int4_gemm(const torch::Tensor& x, const torch::Tensor& codes,
 }
 
 // x [M, K] float32 | bfloat16, q [N, K] int8, scale [N] -> [M, N] in x's dtype
-torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale) {
+at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
   const int64_t N = q.size(0);
-  TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.is_contiguous() && q.size(1) == x.size(-1),
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous() && q.size(1) == x.size(-1),
               "int8_gemm: q [N, K] int8 contiguous");
   TORCH_CHECK(scale.numel() == N, "int8_gemm: scale [N]");
-  const auto sf = scale.to(torch::kFloat32).contiguous();
+  const auto sf = scale.to(at::kFloat).contiguous();
   const float* s = sf.data_ptr<float>();
   const int8_t* qp = q.data_ptr<int8_t>();
   return run(x, N, "int8_gemm", [&](const uint16_t* xb, int64_t M, int64_t Mp, int64_t K, float* y) {

@@ -1,4 +1,5 @@
-"""The C++ extension (ops.cpp, kv_copy.cpp), built once per source, torch version and CPU.
+"""The C++ extension (SOURCES: the kernel files and bind.cpp, the Python module), built once
+per source, torch version and CPU.
 
 torch.utils.cpp_extension compiles it with -O3 -march=native into
 ~/.cache/pdmesh/ext/ (PDMESH_EXT_DIR), keyed by a digest of the source, the torch version
@@ -9,7 +10,7 @@ then uses the torch path rather than die on an illegal instruction. AMX is never
 (some kernels list it without granting it). A build already there is loaded as it is,
 with no compiler (the image's final stage has none). `make venv`
 builds it (`python -m kernels.cpu_ops`); a process that finds no build compiles it then
-(~1 min on 2 cores). Concurrent processes take turns on an fcntl lock beside that folder,
+(~40 s on 2 cores). Concurrent processes take turns on an fcntl lock beside that folder,
 which the kernel drops when its holder dies; torch's own lock file in the folder is only ever
 taken under it, so one found there was left by a process killed mid-load (a SIGKILLed
 service, a timed-out install) and is removed: otherwise every later process would wait on it
@@ -31,11 +32,12 @@ import torch
 
 log = logging.getLogger("pdmesh.kernels")
 SOURCE = Path(__file__).with_name("ops.cpp")
-SOURCES = (SOURCE, *(Path(__file__).with_name(f) for f in ("kv_copy.cpp", "int4_gemv.cpp",
-                                                           "int8_gemv.cpp", "fused.cpp",
-                                                           "batch_gemm.cpp")))
+SOURCES = (SOURCE, *(Path(__file__).with_name(f) for f in ("bind.cpp", "kv_copy.cpp",
+                                                           "int4_gemv.cpp", "int8_gemv.cpp",
+                                                           "fused.cpp", "batch_gemm.cpp")))
 # headers: in the build's digest, not compiled alone
-HEADERS = tuple(Path(__file__).with_name(f) for f in ("tiles.h", "simd.h", "helper.h"))
+HEADERS = tuple(Path(__file__).with_name(f) for f in ("aten.h", "tiles.h", "simd.h",
+                                                                  "helper.h"))
 _cache: dict[str, object] = {}
 _lock = threading.Lock()
 

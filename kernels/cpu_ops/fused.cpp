@@ -12,7 +12,7 @@
 // rope: Model.rope's x * cos + rot(x) * sin with sin's sign folded in, rot the halves'
 //   swap (or, interleaved, the pairs' swap), each product and the sum rounded to x's dtype
 //   as torch's ops round them: the same bits as the torch expression.
-#include <torch/extension.h>
+#include "aten.h"
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>
@@ -110,13 +110,13 @@ void silu_mul_rows(const T* x, int64_t rows, int64_t I, T* y) {
 }  // namespace
 
 // gate|up [T, 2I] contiguous float32 | bfloat16 -> [T, I]
-torch::Tensor silu_mul(const torch::Tensor& x) {
+at::Tensor silu_mul(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0,
               "silu_mul: gate|up [T, 2I] contiguous");
-  auto y = torch::empty({x.size(0), x.size(1) / 2}, x.options());
-  if (x.scalar_type() == torch::kBFloat16)
+  auto y = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  if (x.scalar_type() == at::kBFloat16)
     silu_mul_rows(x.data_ptr<at::BFloat16>(), x.size(0), x.size(1) / 2, y.data_ptr<at::BFloat16>());
-  else if (x.scalar_type() == torch::kFloat32)
+  else if (x.scalar_type() == at::kFloat)
     silu_mul_rows(x.data_ptr<float>(), x.size(0), x.size(1) / 2, y.data_ptr<float>());
   else
     TORCH_CHECK(false, "silu_mul: float32 or bfloat16");
@@ -124,19 +124,19 @@ torch::Tensor silu_mul(const torch::Tensor& x) {
 }
 
 // x [T, H] contiguous float32 | bfloat16; w [H] x's dtype or float32 (Gemma's 1 + w)
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps, bool gemma) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool gemma) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous() && w.numel() == x.size(1),
               "rms_norm: x [T, H] contiguous, w [H]");
-  auto y = torch::empty_like(x);
+  auto y = at::empty_like(x);
   const int64_t T = x.size(0), H = x.size(1);
   const float e = static_cast<float>(eps);
-  if (x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16)
+  if (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16)
     norm_rows(x.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(), T, H, e, gemma,
               y.data_ptr<at::BFloat16>());
-  else if (x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kFloat32)
+  else if (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kFloat)
     norm_rows(x.data_ptr<at::BFloat16>(), w.data_ptr<float>(), T, H, e, gemma,
               y.data_ptr<at::BFloat16>());
-  else if (x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32)
+  else if (x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat)
     norm_rows(x.data_ptr<float>(), w.data_ptr<float>(), T, H, e, gemma, y.data_ptr<float>());
   else
     TORCH_CHECK(false, "rms_norm: float32 or bfloat16");
@@ -144,18 +144,18 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
 }
 
 // x [T, heads, D] (its last dim contiguous), cos/sin [T, 1, D] contiguous, x's dtype
-torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
-                   bool interleaved) {
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                bool interleaved) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && cos.is_contiguous() && sin.is_contiguous() &&
                   cos.numel() == x.size(0) * x.size(2) && sin.numel() == cos.numel() &&
                   cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type() &&
                   x.size(2) % 2 == 0, "rope: x [T, heads, D], cos/sin [T, 1, D] of x's dtype");
-  auto y = torch::empty({x.size(0), x.size(1), x.size(2)}, x.options());
-  if (x.scalar_type() == torch::kBFloat16)
+  auto y = at::empty({x.size(0), x.size(1), x.size(2)}, x.options());
+  if (x.scalar_type() == at::kBFloat16)
     rope_rows(x.data_ptr<at::BFloat16>(), x.stride(0), x.stride(1), x.size(0), x.size(1), x.size(2),
               cos.data_ptr<at::BFloat16>(), sin.data_ptr<at::BFloat16>(), interleaved,
               y.data_ptr<at::BFloat16>());
-  else if (x.scalar_type() == torch::kFloat32)
+  else if (x.scalar_type() == at::kFloat)
     rope_rows(x.data_ptr<float>(), x.stride(0), x.stride(1), x.size(0), x.size(1), x.size(2),
               cos.data_ptr<float>(), sin.data_ptr<float>(), interleaved, y.data_ptr<float>());
   else

@@ -15,8 +15,7 @@
 // of x (each row is summed alone, in one order): a speculative verify sees what a decode
 // step would. Built without AVX512-BF16 (another -march), int4_simd() is false and the
 // Python side keeps torch's int4 kernel.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 #include <immintrin.h>
 #include <cstdint>
 #include <cstring>
@@ -210,23 +209,23 @@ void dequant_row(const uint8_t* wq, const uint16_t* sc, const uint16_t* ze, int6
 bool int4_simd() { return kSimd; }
 
 // x [M, K] float32 | bfloat16 -> [M, N] in x's dtype
-torch::Tensor int4_gemv(const torch::Tensor& x, const torch::Tensor& codes,
-                        const torch::Tensor& scale, const torch::Tensor& zero) {
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes,
+                     const at::Tensor& scale, const at::Tensor& zero) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && !x.is_cuda(), "int4_gemv: x [M, K] contiguous CPU");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  TORCH_CHECK(K % 64 == 0 && codes.size(1) == K / 2 && codes.scalar_type() == torch::kUInt8 &&
+  TORCH_CHECK(K % 64 == 0 && codes.size(1) == K / 2 && codes.scalar_type() == at::kByte &&
                   codes.is_contiguous(), "int4_gemv: codes [N, K/2] uint8, K a multiple of 64");
   for (const auto* t : {&scale, &zero})
-    TORCH_CHECK(t->scalar_type() == torch::kBFloat16 && t->is_contiguous() && t->size(0) == N &&
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->size(0) == N &&
                     t->size(1) == K / kGroup, "int4_gemv: scale, zero [N, K/32] bfloat16");
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const auto* wq = codes.data_ptr<uint8_t>();
   const auto* sc = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>());
   const auto* ze = reinterpret_cast<const uint16_t*>(zero.data_ptr<at::BFloat16>());
-  pybind11::gil_scoped_release nogil;   // the engine thread's matmul; the event loop runs on
-  if (x.scalar_type() == torch::kBFloat16)
+  pybind11::gil_scoped_release_simple nogil;  // the engine thread's matmul; the event loop runs on
+  if (x.scalar_type() == at::kBFloat16)
     gemv_kernel(x.data_ptr<at::BFloat16>(), M, K, wq, sc, ze, N, y.data_ptr<at::BFloat16>());
-  else if (x.scalar_type() == torch::kFloat32)
+  else if (x.scalar_type() == at::kFloat)
     gemv_kernel(x.data_ptr<float>(), M, K, wq, sc, ze, N, y.data_ptr<float>());
   else
     TORCH_CHECK(false, "int4_gemv: x float32 or bfloat16");
@@ -235,30 +234,30 @@ torch::Tensor int4_gemv(const torch::Tensor& x, const torch::Tensor& codes,
 
 // the weight as bfloat16 [N, K] (prefill's GEMM runs on it: oneDNN's bfloat16 GEMM is 2-3x
 // the int4 kernel's speed from 8 rows on, and dequantizing costs one pass)
-torch::Tensor int4_dequant(const torch::Tensor& codes, const torch::Tensor& scale,
-                           const torch::Tensor& zero, const c10::optional<torch::Tensor>& into) {
+at::Tensor int4_dequant(const at::Tensor& codes, const at::Tensor& scale,
+                        const at::Tensor& zero, const c10::optional<at::Tensor>& into) {
   const int64_t N = codes.size(0), K = codes.size(1) * 2, ng = K / kGroup;
-  TORCH_CHECK(K % 64 == 0 && codes.scalar_type() == torch::kUInt8 && codes.is_contiguous(),
+  TORCH_CHECK(K % 64 == 0 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
               "int4_dequant: codes [N, K/2] uint8, K a multiple of 64");
   for (const auto* t : {&scale, &zero})
-    TORCH_CHECK(t->scalar_type() == torch::kBFloat16 && t->is_contiguous() && t->size(0) == N &&
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->size(0) == N &&
                     t->size(1) == ng, "int4_dequant: scale, zero [N, K/32] bfloat16");
   // into: a bfloat16 buffer of at least N * K elements to write to (a buffer kept across
   // calls saves the page faults of a fresh multi-MB allocation, ~0.2 ms on gate|up)
-  torch::Tensor w;
+  at::Tensor w;
   if (into.has_value()) {
-    TORCH_CHECK(into->scalar_type() == torch::kBFloat16 && into->is_contiguous() &&
+    TORCH_CHECK(into->scalar_type() == at::kBFloat16 && into->is_contiguous() &&
                     into->numel() >= N * K, "int4_dequant: into, bfloat16 of N * K or more");
     w = into->view(-1).narrow(0, 0, N * K).view({N, K});
   } else {
-    w = torch::empty({N, K}, scale.options());
+    w = at::empty({N, K}, scale.options());
   }
   const auto* wq = codes.data_ptr<uint8_t>();
   const auto* sc = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>());
   const auto* ze = reinterpret_cast<const uint16_t*>(zero.data_ptr<at::BFloat16>());
   auto* out = reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>());
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-  pybind11::gil_scoped_release nogil;
+  pybind11::gil_scoped_release_simple nogil;
   for (int64_t n = 0; n < N; ++n)
     dequant_row(wq + n * (K / 2), sc + n * ng, ze + n * ng, ng, out + n * K);
 #else

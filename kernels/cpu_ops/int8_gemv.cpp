@@ -7,7 +7,7 @@
 // accumulators by chunk parity, summed at the end). Each (row, output) pair runs the same
 // instructions in the same order at any row count: a row's logits do not depend on its
 // batch. Built without AVX-512, int8_simd() is false and the Python side keeps torch's.
-#include <torch/extension.h>
+#include "aten.h"
 #include <immintrin.h>
 #include <cstdint>
 #include <cstring>
@@ -70,19 +70,19 @@ bool int8_simd() { return kSimd8; }
 
 // x [M, K] float32 | bfloat16, q [N, K] int8, scale [N] float32 | bfloat16 -> [M, N] in
 // x's dtype
-torch::Tensor int8_gemv(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale) {
+at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
   TORCH_CHECK(kSimd8, "int8_gemv: built without AVX-512 (int8_simd() is false)");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && !x.is_cuda(), "int8_gemv: x [M, K] contiguous CPU");
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
-  TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.is_contiguous() && q.size(1) == K,
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous() && q.size(1) == K,
               "int8_gemv: q [N, K] int8 contiguous");
   TORCH_CHECK(scale.numel() == N, "int8_gemv: scale [N]");
-  const auto sf = scale.to(torch::kFloat32).contiguous();
-  const auto xb = x.to(torch::kBFloat16).to(torch::kFloat32).contiguous();
-  auto yf = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
+  const auto sf = scale.to(at::kFloat).contiguous();
+  const auto xb = x.to(at::kBFloat16).to(at::kFloat).contiguous();
+  auto yf = at::empty({M, N}, x.options().dtype(at::kFloat));
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   {
-    pybind11::gil_scoped_release nogil;
+    pybind11::gil_scoped_release_simple nogil;
     float* y = yf.data_ptr<float>();
     rows8(q.data_ptr<int8_t>(), N, K, xb.data_ptr<float>(), M, y);
     const float* s = sf.data_ptr<float>();
@@ -90,5 +90,5 @@ torch::Tensor int8_gemv(const torch::Tensor& x, const torch::Tensor& q, const to
       for (int64_t n = 0; n < N; ++n) y[m * N + n] *= s[n];
   }
 #endif
-  return x.scalar_type() == torch::kFloat32 ? yf : yf.to(x.scalar_type());
+  return x.scalar_type() == at::kFloat ? yf : yf.to(x.scalar_type());
 }

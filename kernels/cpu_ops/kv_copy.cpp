@@ -6,7 +6,8 @@
 // row (l*2 + k)*NB + b is layer l's K (k=0) or V (k=1) of block b. A write's payload
 // [l1-l0, 2, n, BS, Hkv, D] is the rows ((l-l0)*2 + k)*n + i <- pool row (l*2+k)*NB + ids[i].
 
-#include <torch/extension.h>
+#include "aten.h"
+#include <pybind11/pybind11.h>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -27,7 +28,7 @@ struct Rows {
   int64_t nb, row;   // blocks in the pool, bytes per row
 };
 
-Rows pool_rows(const torch::Tensor& kv, const std::vector<int64_t>& ids, int64_t l0,
+Rows pool_rows(const at::Tensor& kv, const std::vector<int64_t>& ids, int64_t l0,
                int64_t l1, int64_t payload_bytes, const char* what) {
   TORCH_CHECK(kv.device().is_cpu() && kv.is_contiguous() && kv.dim() == 6 && kv.size(1) == 2,
               what, ": a contiguous CPU pool [L, 2, NB, BS, Hkv, D]");
@@ -53,7 +54,7 @@ void each_row(const Rows& r, const std::vector<int64_t>& ids, int64_t l0, int64_
 }  // namespace
 
 // pool -> payload (a writable buffer of exactly the write's bytes)
-void kv_gather(const torch::Tensor& kv, const std::vector<int64_t>& ids, int64_t l0,
+void kv_gather(const at::Tensor& kv, const std::vector<int64_t>& ids, int64_t l0,
                int64_t l1, py::buffer out) {
   py::buffer_info dst = out.request(true);
   const int64_t bytes = flat_bytes(dst, "kv_gather");
@@ -64,7 +65,7 @@ void kv_gather(const torch::Tensor& kv, const std::vector<int64_t>& ids, int64_t
 }
 
 // payload -> pool, in place
-void kv_scatter(torch::Tensor& kv, const std::vector<int64_t>& ids, int64_t l0, int64_t l1,
+void kv_scatter(at::Tensor& kv, const std::vector<int64_t>& ids, int64_t l0, int64_t l1,
                 py::buffer payload) {
   py::buffer_info src = payload.request(false);
   const int64_t bytes = flat_bytes(src, "kv_scatter");

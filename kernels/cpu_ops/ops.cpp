@@ -10,8 +10,7 @@
 //   sx[m] * sw[n] (float32, in that order) -> x's dtype.
 // These two are the same arithmetic as the torch reference in ref.py, element by element, so
 // the results are bit for bit the same; only the ~10 passes over memory become one.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 #include <cmath>
 #include <cstring>
 #include <algorithm>
@@ -99,19 +98,19 @@ void dequant_kernel(const A* acc, const float* sx, const float* sw, int64_t M,
 
 }  // namespace
 
-std::tuple<torch::Tensor, torch::Tensor> quant_rows(const torch::Tensor& x,
-                                                    const c10::optional<torch::Tensor>& inv,
+std::tuple<at::Tensor, at::Tensor> quant_rows(const at::Tensor& x,
+                                                    const c10::optional<at::Tensor>& inv,
                                                     bool u8) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "quant_rows: x must be a 2-D CPU tensor");
   auto xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1);
-  torch::Tensor invc;
+  at::Tensor invc;
   if (inv.has_value()) {
     invc = inv->to(xc.scalar_type()).contiguous();
     TORCH_CHECK(invc.dim() == 1 && invc.size(0) == K, "quant_rows: inv must be [K]");
   }
-  auto q = torch::empty({M, K}, xc.options().dtype(u8 ? torch::kUInt8 : torch::kInt8));
-  auto sx = torch::empty({M, 1}, xc.options().dtype(torch::kFloat32));
+  auto q = at::empty({M, K}, xc.options().dtype(u8 ? at::kByte : at::kChar));
+  auto sx = at::empty({M, 1}, xc.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "quant_rows", [&] {
     const scalar_t* iv = invc.defined() ? invc.data_ptr<scalar_t>() : nullptr;
     if (u8)
@@ -122,19 +121,19 @@ std::tuple<torch::Tensor, torch::Tensor> quant_rows(const torch::Tensor& x,
   return {q, sx};
 }
 
-torch::Tensor dequant_rows(const torch::Tensor& acc, const torch::Tensor& sx,
-                           const torch::Tensor& sw, at::ScalarType dtype) {
-  TORCH_CHECK(acc.dim() == 2 && (acc.scalar_type() == torch::kInt32 ||
-                                 acc.scalar_type() == torch::kFloat32),
+at::Tensor dequant_rows(const at::Tensor& acc, const at::Tensor& sx,
+                        const at::Tensor& sw, at::ScalarType dtype) {
+  TORCH_CHECK(acc.dim() == 2 && (acc.scalar_type() == at::kInt ||
+                                 acc.scalar_type() == at::kFloat),
               "dequant_rows: acc int32 or float32 [M, N]");
-  TORCH_CHECK(sx.scalar_type() == torch::kFloat32 && sw.scalar_type() == torch::kFloat32,
+  TORCH_CHECK(sx.scalar_type() == at::kFloat && sw.scalar_type() == at::kFloat,
               "dequant_rows: float32 scales");
   auto ac = acc.contiguous(), sxc = sx.contiguous(), swc = sw.contiguous();
   const int64_t M = ac.size(0), N = ac.size(1);
   TORCH_CHECK(sxc.numel() == M && swc.numel() == N, "dequant_rows: scales of [M] and [N]");
-  auto out = torch::empty({M, N}, ac.options().dtype(dtype));
+  auto out = at::empty({M, N}, ac.options().dtype(dtype));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "dequant_rows", [&] {
-    if (ac.scalar_type() == torch::kInt32)
+    if (ac.scalar_type() == at::kInt)
       dequant_kernel(ac.data_ptr<int32_t>(), sxc.data_ptr<float>(), swc.data_ptr<float>(), M, N,
                      out.data_ptr<scalar_t>());
     else
@@ -322,9 +321,9 @@ void attend_one(const T* q, const T* kc, const T* vc, int64_t ctx, int64_t Hq, i
 
 // q [B, Hq, D]; caches [NB, BS, Hkv, D] contiguous; block_tables [B, max_blocks] int32;
 // context_lens [B] int32 -> [B, Hq, D] in q's dtype
-torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
-                           const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                           const torch::Tensor& context_lens, double scale) {
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& block_tables,
+                           const at::Tensor& context_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.is_contiguous() &&
                   v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
                   k_cache.scalar_type() == q.scalar_type() &&
@@ -333,8 +332,8 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t NB = k_cache.size(0), BS = k_cache.size(1), Hkv = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && Hkv > 0 && Hq % Hkv == 0, "paged_decode: head shapes");
-  auto bt = block_tables.to(torch::kInt).contiguous();
-  auto cl = context_lens.to(torch::kInt).contiguous();
+  auto bt = block_tables.to(at::kInt).contiguous();
+  auto cl = context_lens.to(at::kInt).contiguous();
   TORCH_CHECK(bt.dim() == 2 && bt.size(0) == B && cl.numel() == B,
               "paged_decode: block_tables [B, max_blocks], context_lens [B]");
   const int64_t MB = bt.size(1);
@@ -346,7 +345,7 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
       TORCH_CHECK(t[b * MB + j] >= 0 && t[b * MB + j] < NB, "paged_decode: block out of range");
   }
   auto qc = q.contiguous();
-  auto out = torch::empty({B, Hq, D}, qc.options());
+  auto out = at::empty({B, Hq, D}, qc.options());
   const int64_t row = Hkv * D;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_decode", [&] {
     const scalar_t* kc = k_cache.data_ptr<scalar_t>();
@@ -367,8 +366,8 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
 // positions: row i attends slots[0, ctx - n + i] exactly as slots_decode attends one
 // decode row (deterministic mode: a position's output does not depend on how many rows
 // were computed with it, so a prefill's KV is bit for bit the decode steps' KV)
-torch::Tensor slots_causal(const torch::Tensor& q, const torch::Tensor& kf,
-                           const torch::Tensor& vf, const torch::Tensor& slots, double scale) {
+at::Tensor slots_causal(const at::Tensor& q, const at::Tensor& kf,
+                        const at::Tensor& vf, const at::Tensor& slots, double scale) {
   TORCH_CHECK(q.dim() == 3 && kf.dim() == 3 && kf.is_contiguous() && vf.is_contiguous() &&
                   kf.sizes() == vf.sizes() && kf.scalar_type() == q.scalar_type() &&
                   vf.scalar_type() == q.scalar_type(),
@@ -376,14 +375,14 @@ torch::Tensor slots_causal(const torch::Tensor& q, const torch::Tensor& kf,
   const int64_t n = q.size(0), Hq = q.size(1), D = q.size(2), NS = kf.size(0),
                 Hkv = kf.size(1);
   TORCH_CHECK(kf.size(2) == D && Hkv > 0 && Hq % Hkv == 0, "slots_causal: head shapes");
-  auto sc = slots.to(torch::kLong).contiguous();
+  auto sc = slots.to(at::kLong).contiguous();
   const int64_t* s = sc.data_ptr<int64_t>();
   const int64_t ctx = sc.numel();
   TORCH_CHECK(n <= ctx, "slots_causal: more rows than context");
   for (int64_t i = 0; i < ctx; ++i)
     TORCH_CHECK(s[i] >= 0 && s[i] < NS, "slots_causal: slot out of range");
   auto qc = q.contiguous();
-  auto out = torch::empty({n, Hq, D}, qc.options());
+  auto out = at::empty({n, Hq, D}, qc.options());
   const int64_t row = Hkv * D;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "slots_causal", [&] {
     auto rows = [&](int64_t l) { return s[l] * row; };
@@ -399,59 +398,8 @@ torch::Tensor slots_causal(const torch::Tensor& q, const torch::Tensor& kf,
 
 // one query row q [Hq, D] over flat slots [ctx] int64 of caches viewed [NS, Hkv, D]: the
 // last (only) row of slots_causal
-torch::Tensor slots_decode(const torch::Tensor& q, const torch::Tensor& kf,
-                           const torch::Tensor& vf, const torch::Tensor& slots, double scale) {
+at::Tensor slots_decode(const at::Tensor& q, const at::Tensor& kf,
+                        const at::Tensor& vf, const at::Tensor& slots, double scale) {
   TORCH_CHECK(q.dim() == 2, "slots_decode: q [Hq, D]");
   return slots_causal(q.unsqueeze(0), kf, vf, slots, scale).squeeze(0);
-}
-
-// kv_copy.cpp: the KV wire's gather, scatter and checksum words
-void kv_gather(const torch::Tensor& kv, const std::vector<int64_t>& ids, int64_t l0,
-               int64_t l1, py::buffer out);
-void kv_scatter(torch::Tensor& kv, const std::vector<int64_t>& ids, int64_t l0, int64_t l1,
-                py::buffer payload);
-
-// int4_gemv.cpp: the int4 weight's matmul at a few rows
-bool int4_simd();
-torch::Tensor int4_gemv(const torch::Tensor& x, const torch::Tensor& codes,
-                        const torch::Tensor& scale, const torch::Tensor& zero);
-torch::Tensor int4_dequant(const torch::Tensor& codes, const torch::Tensor& scale,
-                           const torch::Tensor& zero, const c10::optional<torch::Tensor>& into);
-// fused.cpp: a decode step's small elementwise passes in one call each
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps, bool gemma);
-torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
-                   bool interleaved);
-torch::Tensor silu_mul(const torch::Tensor& x);
-// int8_gemv.cpp: the int8 weight's (the LM head's) matmul at a few rows
-bool int8_simd();
-torch::Tensor int8_gemv(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale);
-// batch_gemm.cpp: the int4 and int8 weights' matmuls at a decode batch's rows
-bool batch_simd();
-void set_batch_helper(bool on);
-torch::Tensor int4_gemm(const torch::Tensor& x, const torch::Tensor& codes,
-                        const torch::Tensor& scale, const torch::Tensor& zero);
-torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale);
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("quant_rows", &quant_rows, "int8 (or uint8 + 128) rows + float32 row scales",
-        py::arg("x"), py::arg("inv") = py::none(), py::arg("u8") = false);
-  m.def("paged_decode", &paged_decode, "decode attention over a paged cache, in place");
-  m.def("slots_decode", &slots_decode, "one decode row over flat slots, in place");
-  m.def("slots_causal", &slots_causal, "n rows, each as its own decode row, in place");
-  m.def("dequant_rows", &dequant_rows, "int32 GEMM result * sx[m] * sw[n] -> dtype");
-  m.def("kv_gather", &kv_gather, "pool blocks x layers -> a KV write's payload buffer");
-  m.def("int4_simd", &int4_simd, "whether int4_gemv was built with AVX512-BF16");
-  m.def("int4_gemv", &int4_gemv, "x @ w.T on gemv-packed int4 codes, bfloat16 scale and zero");
-  m.def("int4_dequant", &int4_dequant, "gemv-packed int4 codes -> the bfloat16 weight",
-        py::arg("codes"), py::arg("scale"), py::arg("zero"), py::arg("into") = py::none());
-  m.def("int8_simd", &int8_simd, "whether int8_gemv was built with AVX-512");
-  m.def("int8_gemv", &int8_gemv, "x @ w.T on an int8 weight with per-output scales");
-  m.def("batch_simd", &batch_simd, "whether batch_gemm.cpp was built with AVX512-BF16");
-  m.def("set_batch_helper", &set_batch_helper, "int4_gemm/int8_gemm on a helper thread too");
-  m.def("int4_gemm", &int4_gemm, "x @ w.T on gemv-packed int4 codes, a decode batch's rows");
-  m.def("int8_gemm", &int8_gemm, "x @ w.T on an int8 weight, a decode batch's rows");
-  m.def("rms_norm", &rms_norm, "Model.rms_norm in one pass");
-  m.def("rope", &rope, "Model.rope in one pass, the same bits");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of gate|up in one pass");
-  m.def("kv_scatter", &kv_scatter, "a KV write's payload -> pool blocks x layers, in place");
 }
