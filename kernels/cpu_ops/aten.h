@@ -2,7 +2,7 @@
 // TORCH_CHECK, AT_DISPATCH_*, at::parallel_for, and pybind11's plain GIL release
 // (PyEval_SaveThread: a matmul lets the event loop run). Not <torch/extension.h>: that
 // header (torch's whole C++ API and pybind11) takes ~20 s to compile in every file that
-// includes it, so only bind.cpp, which makes the Python module, does.
+// includes it; bind.cpp, which makes the Python module, takes torch/python.h.
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>

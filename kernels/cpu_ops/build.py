@@ -10,7 +10,7 @@ then uses the torch path rather than die on an illegal instruction. AMX is never
 (some kernels list it without granting it). A build already there is loaded as it is,
 with no compiler (the image's final stage has none). `make venv`
 builds it (`python -m kernels.cpu_ops`); a process that finds no build compiles it then
-(~40 s on 2 cores). Concurrent processes take turns on an fcntl lock beside that folder,
+(~30 s on 2 cores). Concurrent processes take turns on an fcntl lock beside that folder,
 which the kernel drops when its holder dies; torch's own lock file in the folder is only ever
 taken under it, so one found there was left by a process killed mid-load (a SIGKILLed
 service, a timed-out install) and is removed: otherwise every later process would wait on it
