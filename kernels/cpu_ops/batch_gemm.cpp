@@ -24,6 +24,7 @@
 #include <cstring>
 #include <vector>
 
+#include "bf16.h"
 #include "helper.h"
 #include "simd.h"
 
@@ -33,13 +34,6 @@ constexpr int64_t kBlock = 32;   // inputs per block (an int4 group)
 constexpr int kNR = 4, kMR = 4;  // weight rows x rows of x per tile
 constexpr int64_t kMChunk = 64;  // rows of x per pass over the weight (x stays in L1/L2)
 
-inline uint16_t f_bits(float f) {   // round half to even, as torch's float -> bfloat16
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  if (f != f) return 0x7FC0u;
-  return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
-}
-
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 constexpr bool kSimd = true;
 
@@ -48,7 +42,7 @@ template <typename T>
 void prep_x(const T* x, int64_t M, int64_t K, uint16_t* out) {
   for (int64_t i = 0; i < M * K; ++i) {
     if constexpr (std::is_same_v<T, c10::BFloat16>) out[i] = x[i].x;
-    else out[i] = f_bits(static_cast<float>(x[i]));
+    else out[i] = bf16_bits(static_cast<float>(x[i]));
   }
 }
 

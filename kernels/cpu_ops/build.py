@@ -36,8 +36,8 @@ SOURCES = (SOURCE, *(Path(__file__).with_name(f) for f in ("bind.cpp", "kv_copy.
                                                            "int4_gemv.cpp", "int8_gemv.cpp",
                                                            "fused.cpp", "batch_gemm.cpp")))
 # headers: in the build's digest, not compiled alone
-HEADERS = tuple(Path(__file__).with_name(f) for f in ("aten.h", "tiles.h", "simd.h",
-                                                                  "helper.h"))
+HEADERS = tuple(Path(__file__).with_name(f) for f in ("aten.h", "bf16.h", "tiles.h",
+                                                                  "simd.h", "helper.h"))
 _cache: dict[str, object] = {}
 _lock = threading.Lock()
 

@@ -18,24 +18,17 @@
 #include <cstdint>
 #include <cstring>
 
+#include "bf16.h"
 #include "simd.h"
 
 namespace {
 
 inline float f32(float v) { return v; }
-inline float f32(c10::BFloat16 v) {
-  uint32_t b = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
+inline float f32(c10::BFloat16 v) { return bf16_float(v.x); }
 template <typename T> inline T to(float f);
 template <> inline float to<float>(float f) { return f; }
 template <> inline c10::BFloat16 to<c10::BFloat16>(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  const uint32_t r = f != f ? 0x7FC0u : (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
-  return c10::BFloat16(static_cast<uint16_t>(r), c10::BFloat16::from_bits());
+  return c10::BFloat16(bf16_bits(f), c10::BFloat16::from_bits());
 }
 template <typename T> inline float rnd(float f) { return f32(to<T>(f)); }   // f in T's precision
 

@@ -21,6 +21,7 @@
 #include <cstring>
 #include <vector>
 
+#include "bf16.h"
 #include "helper.h"
 #include "tiles.h"
 
@@ -35,30 +36,16 @@ constexpr int64_t kGroup = 32;
 #define PF_BYTES 4096
 #endif
 
-inline float bf16_f(uint16_t h) {
-  uint32_t b = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
-
-inline uint16_t f_bf16(float f) {   // round half to even, as torch's float -> bfloat16
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  if (f != f) return 0x7FC0u;
-  return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
-}
-
 // one row of x as bfloat16 bits, and its per-group sums (float32, in input order)
 template <typename T>
 void prep_row(const T* x, int64_t K, uint16_t* xb, float* xs) {
   for (int64_t k = 0; k < K; ++k) {
     if constexpr (std::is_same_v<T, c10::BFloat16>) xb[k] = x[k].x;
-    else xb[k] = f_bf16(static_cast<float>(x[k]));
+    else xb[k] = bf16_bits(static_cast<float>(x[k]));
   }
   for (int64_t g = 0; g < K / kGroup; ++g) {
     float s = 0.f;
-    for (int64_t k = 0; k < kGroup; ++k) s += bf16_f(xb[g * kGroup + k]);
+    for (int64_t k = 0; k < kGroup; ++k) s += bf16_float(xb[g * kGroup + k]);
     xs[g] = s;
   }
 }
@@ -176,7 +163,7 @@ void gemv_kernel(const T* x, int64_t M, int64_t K, const uint8_t* wq, const uint
   TORCH_CHECK(false, "int4_gemv: built without AVX512-BF16 (int4_simd() is false)");
 #endif
   if constexpr (!std::is_same_v<T, float>)
-    for (int64_t i = 0; i < M * N; ++i) y[i] = T(f_bf16(out[i]), T::from_bits());
+    for (int64_t i = 0; i < M * N; ++i) y[i] = T(bf16_bits(out[i]), T::from_bits());
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
@@ -195,7 +182,7 @@ void dequant_row(const uint8_t* wq, const uint16_t* sc, const uint16_t* ze, int6
     const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + g * 16)));
     const __m512i codes[2] = {_mm512_and_si512(b, _mm512_set1_epi16(0x000F)), _mm512_srli_epi16(b, 4)};
     for (int h = 0; h < 2; ++h) {
-      const __m512 s = _mm512_set1_ps(bf16_f(sc[g + h])), z = _mm512_set1_ps(bf16_f(ze[g + h]));
+      const __m512 s = _mm512_set1_ps(bf16_float(sc[g + h])), z = _mm512_set1_ps(bf16_float(ze[g + h]));
       uint16_t* o = out + (g + h) * kGroup;
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), dequant16(codes[h], 0, s, z));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16), dequant16(codes[h], 1, s, z));

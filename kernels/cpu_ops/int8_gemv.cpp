@@ -13,6 +13,7 @@
 #include <cstring>
 #include <vector>
 
+#include "bf16.h"
 #include "tiles.h"
 
 namespace {
@@ -20,13 +21,6 @@ namespace {
 #ifndef PF_BYTES8
 #define PF_BYTES8 4096   // software prefetch distance (bytes), as int4_gemv.cpp measured
 #endif
-
-inline float bf16_bits_f(uint16_t h) {
-  uint32_t b = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 constexpr bool kSimd8 = true;

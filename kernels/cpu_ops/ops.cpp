@@ -19,6 +19,7 @@
 #include <type_traits>
 #include <immintrin.h>
 
+#include "bf16.h"
 #include "simd.h"
 
 namespace {
@@ -27,18 +28,9 @@ namespace {
 // as c10::BFloat16 rounds; NaN stays NaN), the rest by their own casts
 template <typename T> inline float to_f(T v) { return static_cast<float>(v); }
 template <typename T> inline T from_f(float f) { return static_cast<T>(f); }
-template <> inline float to_f(c10::BFloat16 v) {
-  uint32_t b = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
+template <> inline float to_f(c10::BFloat16 v) { return bf16_float(v.x); }
 template <> inline c10::BFloat16 from_f(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  uint32_t r = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
-  r = (f != f) ? 0x7FC0u : r;
-  return c10::BFloat16(static_cast<uint16_t>(r), c10::BFloat16::from_bits());
+  return c10::BFloat16(bf16_bits(f), c10::BFloat16::from_bits());
 }
 
 // one row: codes and scale (loops written so that gcc vectorizes them: restrict pointers,
