@@ -65,7 +65,7 @@ class Attention:
             rows, kf, vf, slots, ctx, self.scale, window, self.softcap)
         out = torch.zeros_like(q)
         nd = meta.num_decode
-        batched = self.batched_decode and not meta.pad_logits_to
+        batched = self.batched_decode and not meta.det_tile
         if nd and batched:
             out[:nd] = attend_decode(q[:nd], kf, vf, meta.block_tables, meta.context_lens,
                                      k_cache.shape[1], self.scale, window, self.softcap)

@@ -11,8 +11,8 @@ On CPU, single-token decode rows go through the chunk path too (one small attent
 sequence on its exact context) when their contexts average PER_SEQUENCE_CTX tokens or
 more: the batched call pads every sequence to the longest context and copies it all to
 float32, which costs more from there on.
-Deterministic mode pads every forward to max_num_batched_tokens rows, so no request's
-logits depend on its neighbours.
+Deterministic mode runs every GEMM in tiles of DET_TILE rows (model.linear), so no
+request's logits depend on its neighbours or on how many there are.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ class BatchMeta:
     context_lens: torch.Tensor | None = None   # [num_decode] int32
     spans: list[SeqSpan] = field(default_factory=list)  # everything else, per sequence
     logits_rows: torch.Tensor | None = None    # [S] rows whose logits are wanted
-    pad_logits_to: int = 0                      # deterministic mode: fixed lm_head M
+    det_tile: int = 0        # deterministic mode: every GEMM in tiles of this many rows
     loads: list = field(default_factory=list)   # layer_load.LayerLoad: wait per layer
     load_timeout_s: float = 30.0
 
@@ -57,6 +57,11 @@ class BatchMeta:
 # 16 rows 380/626, 767/862, 990/973, 1460/1338; 32 rows 764/1244, 1489/1620, 2044/1906,
 # 2933/2628. The batched call pads to the longest context: more spread, more waste.
 PER_SEQUENCE_CTX = 192
+# deterministic mode's GEMM tile: every matmul of a forward runs on pieces of exactly this
+# many rows (model.linear). A GEMM row's result depends on M on this CPU; at a fixed M it
+# does not depend on the other rows. Before, every forward was padded to
+# max_num_batched_tokens rows: a one-token decode step computed 128 rows.
+DET_TILE = 16
 
 
 @dataclass(slots=True)
@@ -90,14 +95,9 @@ def build_batch(batch: list[Scheduled], cfg: EngineConfig
         meta.load_timeout_s = cfg.load_timeout_s
     if decode:
         _decode_meta(meta, decode)
-    ids = rows.ids
-    if cfg.deterministic:  # fixed shapes: pad rows and the LM head's M
-        pad = cfg.max_num_batched_tokens - rows.n
-        ids = ids + [0] * pad
-        meta.positions = torch.cat([meta.positions, torch.zeros(pad, dtype=torch.long)])
-        meta.slot_mapping = torch.cat([meta.slot_mapping, torch.full((pad,), -1)])
-        meta.pad_logits_to = cfg.max_num_batched_tokens
-    return torch.tensor(ids, dtype=torch.long), meta, rows.sampled
+    if cfg.deterministic:  # fixed GEMM shapes: tiles of DET_TILE rows
+        meta.det_tile = DET_TILE
+    return torch.tensor(rows.ids, dtype=torch.long), meta, rows.sampled
 
 
 def _decode_rows(batch: list[Scheduled], cfg: EngineConfig) -> list[Scheduled]:

@@ -6,9 +6,9 @@ row over its sequence's blocks. Linear layers run on the whole flat batch.
 
 Batch invariance (deterministic mode): a GEMM row's result depends on the GEMM's M on
 this CPU, but not on the other rows' values or on the row's position. So in deterministic
-mode the caller pads every forward to a fixed number of rows, and attention runs per
-sequence on exactly that sequence's context; a request's logits are then the same
-whatever else is in the batch.
+mode every matmul runs in tiles of a fixed number of rows (meta.det_tile: linear pads the
+last one), every other op is row by row, and attention runs per sequence on exactly that
+sequence's context; a request's logits are then the same whatever else is in the batch.
 """
 from __future__ import annotations
 
@@ -175,6 +175,7 @@ class Model:
         cfg = self.cfg
         T = input_ids.shape[0]
         Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        tile = meta.det_tile
         h = F.embedding(input_ids, self.embed)                       # [T, H]
         if self.gemma:      # embeddings scaled by sqrt(hidden), in the model dtype
             h = h * torch.tensor(cfg.hidden_size ** 0.5, dtype=h.dtype)
@@ -184,7 +185,7 @@ class Model:
         plan = self.attn.plan(meta, kv)
         for li, L in enumerate(self.layers):
             x = self.rms_norm(h, L.ln1)
-            qkv = linear(x, L.qkv_w, L.qkv_b)                        # [T, (Hq+2Hkv)*D]
+            qkv = linear(x, L.qkv_w, L.qkv_b, tile)                  # [T, (Hq+2Hkv)*D]
             qk = qkv[:, :(Hq + Hkv) * D].view(T, Hq + Hkv, D)
             if L.q_norm is not None:                                 # Qwen3: per head
                 qk = torch.cat([self.rms_norm(qk[:, :Hq], L.q_norm),
@@ -202,35 +203,33 @@ class Model:
                 o = self.attn.masked(q, k_cache, v_cache, meta, L.window)
             else:
                 o = self.attn(q, k_cache, v_cache, meta, plan)  # [T, Hq, D]
-            o = linear(o.reshape(T, Hq * D), L.o_w, L.o_b)
+            o = linear(o.reshape(T, Hq * D), L.o_w, L.o_b, tile)
             h = h + (o if L.post_attn is None else self.rms_norm(o, L.post_attn))
             x = self.rms_norm(h, L.ln2)
             if L.experts is not None:
-                m = self.moe(x, L, fixed_m=meta.pad_logits_to > 0)
+                m = self.moe(x, L, tile)
             else:
-                m = self.mlp(x, L.gate_up_w, L.down_w)
+                m = self.mlp(x, L.gate_up_w, L.down_w, tile)
             h = h + (m if L.post_mlp is None else self.rms_norm(m, L.post_mlp))
         rows = h if meta.logits_rows is None else h[meta.logits_rows]
-        S = rows.shape[0]
-        if meta.pad_logits_to > S:  # fixed lm_head shape: batch-invariant logits
-            rows = torch.cat([rows, rows.new_zeros(meta.pad_logits_to - S, rows.shape[1])])
-        logits = linear(self.rms_norm(rows, self.norm), self.lm_head)[:S].float().cpu()
+        logits = linear(self.rms_norm(rows, self.norm), self.lm_head, None, tile).float().cpu()
         if cfg.final_softcap:       # Gemma 2: logits soft-capped
             logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return logits
 
-    def mlp(self, x: torch.Tensor, gate_up_w, down_w) -> torch.Tensor:
-        gu = linear(x, gate_up_w)
+    def mlp(self, x: torch.Tensor, gate_up_w, down_w, tile: int = 0) -> torch.Tensor:
+        gu = linear(x, gate_up_w, None, tile)
         act = cpu_ops.silu_mul(gu) if self.gelu is None else None   # on CPU one C++ call
         if act is not None:
-            return linear(act, down_w)
+            return linear(act, down_w, None, tile)
         gate, up = gu.chunk(2, dim=-1)
         gate = F.silu(gate) if self.gelu is None else F.gelu(gate, approximate=self.gelu)
-        return linear(gate * up, down_w)
+        return linear(gate * up, down_w, None, tile)
 
-    def moe(self, x: torch.Tensor, L: Layer, fixed_m: bool = False) -> torch.Tensor:
+    def moe(self, x: torch.Tensor, L: Layer, tile: int = 0) -> torch.Tensor:
         """A sparse layer (moe.py): the router's logits, then the routed experts."""
-        return route(x, linear(x, L.router), L.experts, self.cfg, self.mlp, fixed_m)
+        return route(x, linear(x, L.router, None, tile), L.experts, self.cfg,
+                     lambda xe, gu, down: self.mlp(xe, gu, down, tile))
 
 
 
@@ -316,11 +315,19 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int
             * torch.tensor([], dtype=dtype).element_size())
 
 
-def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w, b: torch.Tensor | None = None, tile: int = 0) -> torch.Tensor:
     """x @ w.T (+ b); w a tensor or a quantized weight (quant.py: w.mm). A single row of a
     plain CPU weight goes through mv: on CPU it streams the weight ~1.7x faster than the
-    GEMM path (measured with bf16 weights, one thread). Deterministic mode never has a
-    single-row forward (it pads to a fixed M), so batch invariance holds."""
+    GEMM path (measured with bf16 weights, one thread). tile (deterministic mode): the rows
+    in pieces of exactly `tile` rows, the last padded with zeros, so a row's result depends
+    on neither the batch's size nor its neighbours (and never takes the one-row path)."""
+    if tile and x.shape[0]:
+        M = x.shape[0]
+        pad = -M % tile
+        if pad:
+            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+        parts = [linear(x[i:i + tile], w, b) for i in range(0, M + pad, tile)]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts))[:M]
     if not isinstance(w, torch.Tensor):
         y = w.mm(x)
     elif x.shape[0] == 1 and not x.is_cuda:

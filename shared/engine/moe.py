@@ -1,8 +1,9 @@
 """Sparse (mixture-of-experts) layers, as Qwen3-MoE and transformers route them: softmax
 over the router's logits in float32, the top experts_per_tok, renormalised when
 norm_topk_prob; each chosen expert runs once on the rows routed to it, so a step reads
-only the routed experts' weights. fixed_m (deterministic mode): each expert's rows padded
-to the batch's fixed M, so a row's result does not depend on which others share it."""
+only the routed experts' weights. In deterministic mode the mlp it is given runs its
+matmuls in fixed tiles (model.linear), so a row's result does not depend on which others
+share its expert."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -11,7 +12,7 @@ import torch
 
 
 def route(x: torch.Tensor, router_logits: torch.Tensor, experts: list, cfg,
-          mlp: Callable, fixed_m: bool = False) -> torch.Tensor:
+          mlp: Callable) -> torch.Tensor:
     """x [T, H] -> [T, H]: experts[e] = (gate|up, down) weights, mlp(x, *experts[e])."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
     weight, chosen = torch.topk(probs, cfg.experts_per_tok, dim=-1)     # [T, k]
@@ -21,10 +22,7 @@ def route(x: torch.Tensor, router_logits: torch.Tensor, experts: list, cfg,
     out = torch.zeros_like(x)
     for e in chosen.unique().tolist():
         rows, k = torch.where(chosen == e)
-        xe = x[rows]
-        if fixed_m:
-            xe = torch.cat([xe, xe.new_zeros(x.shape[0] - len(rows), x.shape[1])])
-        y = mlp(xe, *experts[e])[:len(rows)]
+        y = mlp(x[rows], *experts[e])
         out.index_add_(0, rows, y * weight[rows, k, None])
     return out
 

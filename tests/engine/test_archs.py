@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from shared.contracts.sampling import SamplingParams
+from shared.engine.batch import DET_TILE
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
 from shared.engine.loader import CheckpointError
@@ -230,8 +231,8 @@ def test_a_moe_decode_step_reads_only_the_routed_experts(tmp_path, monkeypatch):
                enumerate(L.experts or ()) for w in pair}
     read = []
     real = model_mod.linear
-    monkeypatch.setattr(model_mod, "linear", lambda x, w, b=None: (
-        read.append(id(w)), real(x, w, b))[1])
+    monkeypatch.setattr(model_mod, "linear", lambda x, w, b=None, tile=0: (
+        read.append(id(w)), real(x, w, b, tile))[1])
     meta, kv = model_mod.one_prompt(m.cfg, 1, torch.float32)
     m.forward(torch.tensor([7]), meta, kv)
     touched = {experts[w] for w in read if w in experts}
@@ -282,18 +283,17 @@ def test_quantized_weights_serve_these_architectures(tmp_path, name, quantize):
 
 
 def test_a_rows_expert_output_is_the_same_bits_whatever_shares_its_batch(tmp_path):
-    """Deterministic mode's premise for a sparse layer: each expert's GEMM runs at the
-    batch's fixed M, so a row's output does not depend on how many others chose the same
-    expert (unpadded, the rows differ by ~6e-8 at SmolLM2's hidden size)."""
+    """Deterministic mode's premise for a sparse layer: each expert's GEMMs run in tiles of
+    a fixed M, so a row's output does not depend on how many others chose the same expert
+    (without tiles, the rows differ by ~6e-8 at SmolLM2's hidden size)."""
     path = checkpoint(tmp_path / "m", "Qwen3MoeConfig", **(MOE | dict(
         hidden_size=576, moe_intermediate_size=256, head_dim=64, num_attention_heads=9,
         num_key_value_heads=3)))
     m = engine(path).model
     x = torch.randn(16, 576, generator=torch.Generator().manual_seed(0))
-    full = m.moe(x, m.layers[0], fixed_m=True)
+    full = m.moe(x, m.layers[0], DET_TILE)
     for i in range(16):
-        alone = torch.cat([x[i:i + 1], torch.zeros(15, 576)])
-        assert torch.equal(m.moe(alone, m.layers[0], fixed_m=True)[0], full[i])
+        assert torch.equal(m.moe(x[i:i + 1], m.layers[0], DET_TILE)[0], full[i])
 
 
 def test_speculative_greedy_output_equals_plain_on_every_architecture(case):

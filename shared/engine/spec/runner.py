@@ -35,10 +35,10 @@ it computed itself: a prefix-cache hit, a lower-tier load or a remote prefill fi
 target KV only, so the draft prefills the prompt in its first catch-up (it is small).
 
 Determinism: in deterministic mode each verification row is bit for bit the row a
-non-speculative decode step computes (its own single-row span; the forward padded to its
-fixed M), so greedy output is token for token the same; elsewhere rows differ only by GEMM
-rounding. The draft is batch invariant there too (single-row spans; every forward of a
-kind padded to one M) and k depends only on the sequence, so seeded sampling gives the
+non-speculative decode step computes (its own single-row span; its matmuls in the same
+fixed tiles), so greedy output is token for token the same; elsewhere rows differ only by
+GEMM rounding. The draft is batch invariant there too (single-row spans, fixed tiles) and
+k depends only on the sequence, so seeded sampling gives the
 same tokens whatever the batch. Outside deterministic mode the draft's shapes only change
 speed.
 
@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..batch import BatchMeta, SeqSpan
+from ..batch import DET_TILE, BatchMeta, SeqSpan
 from ..model import Model
 from ..output import OutputProcessor, RequestOutput
 from ..sampling import fit_banned
@@ -93,7 +93,7 @@ class SpecRunner:
         self.draft = draft
         ratio = max(1, engine.model_cfg.num_layers // draft.cfg.num_layers)
         self.catch_up = self.cfg.chunk_size * ratio
-        if self.cfg.deterministic:     # one padded forward
+        if self.cfg.deterministic:     # one forward
             self.catch_up = min(self.catch_up, self.cfg.max_num_batched_tokens)
         self.adapt = AdaptiveK.for_runner(self)   # k per step (adapt.py); None: fixed
         self.stale_s = 0.0      # this step's draft catch-up over positions decoded plainly
@@ -172,8 +172,8 @@ class SpecRunner:
 
     def _forward(self, items: list[Item], pad: int) -> torch.Tensor:
         """One draft forward over items; logits [len(items), V] of each item's last row.
-        Deterministic mode pads rows to `pad` (split into several forwards if they do not
-        fit) and gives every row its own span; otherwise lone rows of several sequences
+        Deterministic mode splits them into forwards of at most `pad` rows and gives every
+        row its own span (its matmuls in fixed tiles); otherwise lone rows of several sequences
         share the batched paged-attention path and chunks attend per sequence."""
         det = self.cfg.deterministic
         if det and sum(len(t) for _, _, t in items) > pad:
@@ -217,11 +217,8 @@ class SpecRunner:
                 [items[i][0].block_table + [0] * (nb - len(items[i][0].block_table))
                  for i in single], dtype=torch.int32)
             meta.context_lens = torch.tensor([items[i][1] + 1 for i in single], dtype=torch.int32)
-        if det:  # fixed shapes: rows padded to this kind of forward's M, and the LM head's
-            ids += [0] * (pad - row)
-            meta.positions = torch.cat([meta.positions, torch.zeros(pad - row, dtype=torch.long)])
-            meta.slot_mapping = torch.cat([meta.slot_mapping, torch.full((pad - row,), -1)])
-            meta.pad_logits_to = self.cfg.max_num_seqs
+        if det:  # fixed GEMM shapes: tiles of DET_TILE rows (model.linear)
+            meta.det_tile = DET_TILE
         return self.draft.forward(torch.tensor(ids, dtype=torch.long), meta, self.engine.draft_kv)
 
     # ---- verify -------------------------------------------------------------------
