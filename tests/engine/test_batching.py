@@ -21,17 +21,18 @@ def params_for(i: int) -> SamplingParams:
                           max_tokens=8 + 3 * i, ignore_eos=True)
 
 
-def staggered(eng: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
-    """Each prompt's tokens, a new request joining every other step while others are
-    mid-decode (request i with params_for(i))."""
+def staggered(eng: LLMEngine, prompts: list[list[int]], params=params_for,
+              field: str = "new_token_ids") -> list[list]:
+    """Each prompt's tokens (or another list field of its outputs), a new request joining
+    every other step while others are mid-decode (request i with params(i))."""
     got = {f"r{i}": [] for i in range(len(prompts))}
     step, pending = 0, list(range(len(prompts)))
     while pending or eng.has_unfinished:
         if pending and step % 2 == 0:
             i = pending.pop(0)
-            eng.add_request(f"r{i}", prompts[i], params_for(i))
+            eng.add_request(f"r{i}", prompts[i], params(i))
         for o in eng.step():
-            got[o.request_id] += o.new_token_ids
+            got[o.request_id] += getattr(o, field)
         step += 1
     return [got[f"r{i}"] for i in range(len(prompts))]
 
@@ -44,6 +45,22 @@ def test_sixteen_staggered_requests_equal_alone(tiny_target, tiny_prompts, devic
     eng = det_engine(tiny_target, device)
     assert staggered(eng, prompts) == want
     assert eng.pool.num_used == 0
+
+
+def test_logprobs_are_the_same_bits_alone_and_among_seven_others(tiny_target, tiny_prompts,
+                                                                  device):
+    """Deterministic mode at the float level: greedy tokens survive a last-bit difference,
+    logprobs do not. Alone, each request's forwards have one row; staggered, the batch's
+    row count changes every step. Every logprob is the same bits (the matmuls' fixed
+    tiles: with M free to vary they differ in the 7th digit)."""
+    prompts = [tiny_prompts[i] * (1 + i % 2) for i in range(8)]   # chunks and decode rows
+    params = lambda i: SamplingParams(temperature=0.0, max_tokens=6 + i, ignore_eos=True,  # noqa: E731
+                                      logprobs=2)
+    alone = det_engine(tiny_target, device)
+    want = [staggered(alone, [p], lambda _, i=i: params(i), "logprobs")[0]
+            for i, p in enumerate(prompts)]
+    got = staggered(det_engine(tiny_target, device), prompts, params, "logprobs")
+    assert got == want
 
 
 def test_batching_throughput_mode_matches_greedy(tiny_target, tiny_prompts, device):
