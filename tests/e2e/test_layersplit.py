@@ -73,12 +73,27 @@ async def wait_group(c: Cluster, ready: int = 2, timeout: float = 60.0) -> list[
         await asyncio.sleep(0.5)
 
 
+async def inserts_settled(c: Cluster, timeout: float = 20.0) -> list[dict]:
+    """Until the cold requests' blocks are in the group's index on both ranks: each rank's
+    index holds blocks and no insert arrived between two looks (a fixed sleep missed them
+    under CI load, and a warm request then found nothing)."""
+    deadline, last = time.monotonic() + timeout, None
+    while True:
+        st = await group_stats(c)
+        now = [(s.get("group_index_blocks", 0), s.get("group_inserted_blocks", 0)) for s in st]
+        if (now == last and len(now) == 2 and all(n > 0 for n, _ in now)) \
+                or time.monotonic() > deadline:
+            return st
+        last = now
+        await asyncio.sleep(0.5)
+
+
 def test_group_equals_engine_alone_and_colocated(group_mesh, prompts, reference):
     async def run():
         await wait_group(group_mesh)
         async with aiohttp.ClientSession() as http:
             cold = [await _complete(http, group_mesh.url, p) for p in prompts]
-            await asyncio.sleep(1.0)            # inserts reach the other rank
+            await inserts_settled(group_mesh)   # inserts reach the other rank
             warm = [await _complete(http, group_mesh.url, p) for p in prompts]
             colocated = [await _complete(http, group_mesh.url, p, "colocated")
                          for p in prompts[:3]]
@@ -154,7 +169,7 @@ def test_slow_transfers_over_pd(tiny_target, prompts, reference, guard):
         await wait_group(c)
         async with aiohttp.ClientSession() as http:
             cold = [await _complete(http, c.url, p) for p in prompts[:4]]
-            await asyncio.sleep(1.0)
+            await inserts_settled(c)
             warm = [await _complete(http, c.url, p) for p in prompts[:4]]
         return cold, warm, await group_stats(c)
 
