@@ -104,10 +104,10 @@ def test_a_probe_is_not_charged_for_the_draft_catching_up(tiny_target, tiny_draf
     ad.choose = choose
     forward = runner._forward
 
-    def slow_catch_up(items, pad):
+    def slow_catch_up(items):
         if any(len(t) > STEADY_CATCH_UP for _, _, t in items):
             time.sleep(0.3)
-        return forward(items, pad)
+        return forward(items)
     runner._forward = slow_catch_up
     charged, step_done = [], ad.step_done
 
@@ -144,9 +144,9 @@ def test_engine_runs_no_draft_over_max_batch(tiny_target, tiny_draft, tiny_promp
                                  spec_max_batch=4, device=device))
     drafted, forward = [], eng.spec._forward
 
-    def count(items, pad):
+    def count(items):
         drafted.append(len(items))
-        return forward(items, pad)
+        return forward(items)
     eng.spec._forward = count
     short = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     eng.generate(tiny_prompts[:5], short)

@@ -126,7 +126,7 @@ class SpecRunner:
             end = min(seq.num_tokens, start + self.catch_up)
             catch_up.append((seq, start, [seq.token_at(i) for i in range(start, end)]))
         t = time.perf_counter()
-        rows = self._forward(catch_up, self.cfg.max_num_batched_tokens)
+        rows = self._forward(catch_up)
         self.stale_s = _stale_share(catch_up) * (time.perf_counter() - t)
         live, logits = [], []
         for s, (seq, start, toks), row in zip(steps, catch_up, rows):
@@ -145,7 +145,7 @@ class SpecRunner:
             live = more
             if live:   # feed the newest draft at its position
                 logits = self._forward([(d.s.seq, d.s.seq.num_tokens + len(d.tokens) - 1,
-                                         d.tokens[-1:]) for d in live], self.cfg.max_num_seqs)
+                                         d.tokens[-1:]) for d in live])
         for d in drafting:
             d.s.drafts = d.tokens
             d.s.draft_probs = torch.stack(d.probs) if d.probs else None
@@ -170,21 +170,12 @@ class SpecRunner:
                 return False
         return tok not in d.proc.eos_ids and tok not in seq.params.stop_token_ids
 
-    def _forward(self, items: list[Item], pad: int) -> torch.Tensor:
+    def _forward(self, items: list[Item]) -> torch.Tensor:
         """One draft forward over items; logits [len(items), V] of each item's last row.
-        Deterministic mode splits them into forwards of at most `pad` rows and gives every
-        row its own span (its matmuls in fixed tiles); otherwise lone rows of several sequences
-        share the batched paged-attention path and chunks attend per sequence."""
+        Deterministic mode gives every row its own span (its matmuls in fixed tiles, so the
+        forward's size changes no bit); otherwise lone rows of several sequences share the
+        batched paged-attention path and chunks attend per sequence."""
         det = self.cfg.deterministic
-        if det and sum(len(t) for _, _, t in items) > pad:
-            out, group, n = [], [], 0
-            for it in items:
-                if group and n + len(it[2]) > pad:
-                    out.append(self._forward(group, pad))
-                    group, n = [], 0
-                group.append(it)
-                n += len(it[2])
-            return torch.cat(out + [self._forward(group, pad)])
         bs = self.cfg.block_size
         single = [] if det else [i for i, (_, _, t) in enumerate(items) if len(t) == 1]
         if len(single) == 1:
