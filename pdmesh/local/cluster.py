@@ -9,7 +9,8 @@
     Cluster(..., nats_cluster=3)    # three clustered nats-servers, job queue replicated R3
         c.kill("nats-1"); await c.arestart("nats-1")       # one node down, then back
 
-(`async with Cluster(...)` works too; long calls have `a`-prefixed awaitable twins.)
+(`async with Cluster(...)` works too; long calls have `a`-prefixed awaitable twins, made
+from one coroutine each by pdmesh.local.procs.on_loop.)
 
 Life cycle:
   start  -> write nats.conf (or nats-0..2.conf) into a temp dir -> nats-server(s) (the
@@ -63,7 +64,7 @@ from pdmesh.local.launch import (
 )
 from pdmesh.local.natsgroup import NatsGroup
 from pdmesh.local.plan import plan
-from pdmesh.local.procs import Proc, Supervisor, die_with_parent
+from pdmesh.local.procs import Proc, Supervisor, die_with_parent, on_loop
 from pdmesh.local.restarts import RestartPolicy
 from pdmesh.local.watchdog import Watchdog
 
@@ -211,21 +212,6 @@ class Cluster:
         p.expected_exit, p.restarting = True, False
         p.signal(sig, group=True)
 
-    def restart(self, name: str, wait: bool = True) -> None:
-        self._sup.call(self._restart(name, wait))
-
-    def add(self, service: str, wait: bool = True) -> str:
-        """Start one more instance of a service; returns its name (e.g. "decode-2")."""
-        return self._sup.call(self._add(service, wait))
-
-    def restart_nats(self, down_s: float = 0.0, wipe_store: bool = False) -> None:
-        """Stop every nats-server, stay down down_s, start them again on the same ports and
-        stores (wipe_store: empty stores, as if the disks were lost)."""
-        self._sup.call(self._restart_nats(down_s, wipe_store))
-
-    def wait_ready(self, timeout_s: float | None = None) -> None:
-        self._sup.call(self.until_ready(timeout_s))
-
     def call(self, coro: Coroutine) -> Any:
         """Run coro on the supervisor loop (where every child is spawned); its result."""
         return self._sup.call(coro)
@@ -255,10 +241,46 @@ class Cluster:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    # ---- async API (the same work, awaited instead of blocking the caller's loop) ------------
     async def _run(self, coro: Coroutine) -> Any:
         return await asyncio.wrap_future(self._sup.submit(coro))
 
+    # ---- work on the supervisor loop: each blocking (restart) and awaited (arestart) ---------
+    async def _restart(self, name: str, wait: bool = True) -> None:
+        """Stop a child (SIGTERM, then SIGKILL) and start it again, same flags and id."""
+        p = self.procs[name]
+        if p.service == "nats":
+            await self.nats.restart([name], self.emit, self.log_dir, wait=wait)
+            return
+        await p.terminate(self.stop_timeout_s)
+        p.spawn(self.emit, self.log_dir)
+        if wait:
+            await self.until_ready()
+
+    async def _add(self, service: str, wait: bool = True) -> str:
+        """Start one more instance of a service; returns its name (e.g. "decode-2")."""
+        p = self.new_proc(service)
+        p.spawn(self.emit, self.log_dir)
+        if wait:
+            await self.until_ready()
+        return p.name
+
+    async def _restart_nats(self, down_s: float = 0.0, wipe_store: bool = False) -> None:
+        """Stop every nats-server, stay down down_s, start them again on the same ports and
+        stores (wipe_store: empty stores, as if the disks were lost)."""
+        await self.nats.restart(self.nats_names(), self.emit, self.log_dir, down_s, wipe_store)
+
+    async def until_ready(self, timeout_s: float | None = None) -> None:
+        """Until GET /ready is 200 (every path usable) and $SRV.PING finds every instance
+        we started (pdmesh/local/readiness.py)."""
+        await readiness.wait_ready(self.procs, self.url, self.nats.client_options(),
+                                   timeout_s or self.startup_timeout_s, self._check_alive)
+
+    restart, arestart = on_loop(_restart)
+    add, aadd = on_loop(_add)
+    restart_nats, arestart_nats = on_loop(_restart_nats)
+    wait_ready, await_ready = on_loop(until_ready, "wait_ready")
+
+    # ---- async API (the same work, awaited instead of blocking the caller's loop) ------------
     async def astart(self) -> "Cluster":
         if self._sup is None:
             self._sup = Supervisor()
@@ -278,18 +300,6 @@ class Cluster:
             sup, self._sup = self._sup, None
             await asyncio.to_thread(sup.close)
 
-    async def arestart(self, name: str, wait: bool = True) -> None:
-        await self._run(self._restart(name, wait))
-
-    async def aadd(self, service: str, wait: bool = True) -> str:
-        return await self._run(self._add(service, wait))
-
-    async def arestart_nats(self, down_s: float = 0.0, wipe_store: bool = False) -> None:
-        await self._run(self._restart_nats(down_s, wipe_store))
-
-    async def await_ready(self, timeout_s: float | None = None) -> None:
-        await self._run(self.until_ready(timeout_s))
-
     async def __aenter__(self) -> "Cluster":
         return await self.astart()
 
@@ -297,12 +307,6 @@ class Cluster:
         await self.astop()
 
     # ---- on the supervisor loop ----------------------------------------------------------------
-    async def until_ready(self, timeout_s: float | None = None) -> None:
-        """Until GET /ready is 200 (every path usable) and $SRV.PING finds every instance
-        we started (pdmesh/local/readiness.py)."""
-        await readiness.wait_ready(self.procs, self.url, self.nats.client_options(),
-                                   timeout_s or self.startup_timeout_s, self._check_alive)
-
     async def _start(self) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="pdmesh-"))
         if self.log_dir:
@@ -372,26 +376,6 @@ class Cluster:
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             self.tmp = None
-
-    async def _restart(self, name: str, wait: bool) -> None:
-        p = self.procs[name]
-        if p.service == "nats":
-            await self.nats.restart([name], self.emit, self.log_dir, wait=wait)
-            return
-        await p.terminate(self.stop_timeout_s)
-        p.spawn(self.emit, self.log_dir)
-        if wait:
-            await self.until_ready()
-
-    async def _add(self, service: str, wait: bool) -> str:
-        p = self.new_proc(service)
-        p.spawn(self.emit, self.log_dir)
-        if wait:
-            await self.until_ready()
-        return p.name
-
-    async def _restart_nats(self, down_s: float, wipe_store: bool = False) -> None:
-        await self.nats.restart(self.nats_names(), self.emit, self.log_dir, down_s, wipe_store)
 
     def _check_alive(self, names: list[str]) -> None:
         """A child that died before it was ready fails the start; once supervised, only a

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import ctypes
+import functools
 import os
 import signal
 import subprocess
@@ -160,3 +161,24 @@ class Supervisor:
         self.loop.call_soon_threadsafe(self.loop.stop)
         if threading.current_thread() is not self.thread:
             self.thread.join(timeout=5)
+
+
+def on_loop(work: Callable[..., Coroutine], name: str = ""
+            ) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """From one coroutine method, run on its object's supervisor (self._sup) loop: the
+    method that blocks until it is done (restart) and the one that awaits it (arestart);
+    name: the blocking one's (else work's, less its leading underscore)."""
+    name = name or work.__name__.lstrip("_")
+
+    @functools.wraps(work)
+    def blocking(self, *args, **kwargs):
+        return self._sup.call(work(self, *args, **kwargs))
+
+    @functools.wraps(work)
+    async def awaited(self, *args, **kwargs):
+        return await asyncio.wrap_future(self._sup.submit(work(self, *args, **kwargs)))
+
+    for fn, fn_name in ((blocking, name), (awaited, "a" + name)):
+        fn.__name__ = fn_name
+        fn.__qualname__ = work.__qualname__.rsplit(".", 1)[0] + "." + fn_name
+    return blocking, awaited
