@@ -95,6 +95,7 @@ class Dispatch:
     progress_at: float = 0.0   # when the last chunk (or the dispatch) arrived
     incarnation: str = ""      # the decode process that accepted it
     probe: probe.Probe | None = None   # the last question to the instance (probe.py)
+    counted_on: int | None = None      # the heartbeat its load counts on (Registry.sent)
 
 
 class DecodeClient:
@@ -192,7 +193,7 @@ class DecodeClient:
             rid = sub.request_id if not tried else f"{sub.request_id}.{len(tried)}"
             tried.add(inst)
             queue = self.chunks.open(rid)
-            self.registry.sent(inst)       # now: a burst of submissions spreads out
+            beat = self.registry.sent(inst)   # now: a burst of submissions spreads out
             try:
                 ack = await self._submit(inst, rid, sub)
             except BaseException:
@@ -206,7 +207,7 @@ class DecodeClient:
             self.routed_warm += cached.get(inst, 0) > 0
             self.affinity.record(sub.prompt_ids, inst, sub.cache_salt)
             return Dispatch(rid, inst, ack.path, queue, sub, progress_at=self.clock(),
-                            incarnation=ack.incarnation)
+                            incarnation=ack.incarnation, counted_on=beat)
         if reasons and all(ErrorCode.OVERLOADED.value in r for r in reasons):
             raise overloaded("every decode instance refused: " + "; ".join(reasons))
         why = self.registry.why_none(self.clock(), tried)
@@ -276,6 +277,8 @@ class DecodeClient:
 
     def release(self, d: Dispatch) -> None:
         self.chunks.close(d.request_id)
+        self.registry.ended(d.instance, d.counted_on)
+        d.counted_on = None                # once
 
     async def _abort(self, instance: str, request_id: str, reason: str) -> None:
         try:

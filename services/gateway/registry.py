@@ -4,8 +4,9 @@ Pure bookkeeping (the caller passes the clock). An instance is alive while its l
 heartbeat arrived within `dead_after_s`, measured on this process's monotonic clock, so
 clock skew between hosts does not matter. `choose` picks the least loaded live instance:
 running + waiting + queue depth from its last heartbeat, plus the requests this gateway
-sent it since (a burst between two heartbeats spreads instead of piling onto one),
-ties broken by more free KV blocks, then by id.
+sent it since that have not ended yet (a burst between two heartbeats spreads instead of
+piling onto one; short requests one after another do not add up to a load nobody
+carries), ties broken by more free KV blocks, then by id.
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def heartbeat_problem(hb: Heartbeat) -> str | None:
 class Instance:
     hb: Heartbeat
     seen: float              # monotonic time the last heartbeat arrived
-    sent_since_hb: int = 0   # requests this gateway submitted after that heartbeat
+    sent_since_hb: int = 0   # requests this gateway submitted after it, not yet ended
+    beat: int = 0            # which heartbeat this is (Registry's count)
 
     @property
     def load(self) -> int:
@@ -56,6 +58,7 @@ class Registry:
         self.instances: dict[str, Instance] = {}
         self.invalid = 0                   # heartbeats ignored (heartbeat_problem)
         self._logged: set[str] = set()     # bad ids already logged (bounded)
+        self._beats = 0                    # heartbeats taken in, for sent()/ended()
 
     # ---- books -----------------------------------------------------------------------
     def observe(self, hb: Heartbeat, now: float) -> None:
@@ -68,15 +71,27 @@ class Registry:
                 self._logged.add(hb.instance_id)
                 log.warning("ignoring decode heartbeats from %r: %s", hb.instance_id[:80], problem)
             return
-        self.instances[hb.instance_id] = Instance(hb, now)
+        self._beats += 1
+        self.instances[hb.instance_id] = Instance(hb, now, beat=self._beats)
         for iid in [i for i, inst in self.instances.items() if now - inst.seen > FORGET_AFTER_S]:
             del self.instances[iid]
 
-    def sent(self, instance_id: str, n: int = 1) -> None:
-        """n requests went to the instance (n = -1: one it refused after all)."""
+    def sent(self, instance_id: str, n: int = 1) -> int | None:
+        """n requests went to the instance (n = -1: one it refused after all). Returns the
+        heartbeat they count on top of, for ended()."""
         inst = self.instances.get(instance_id)
-        if inst is not None:
-            inst.sent_since_hb = max(0, inst.sent_since_hb + n)
+        if inst is None:
+            return None
+        inst.sent_since_hb = max(0, inst.sent_since_hb + n)
+        return inst.beat
+
+    def ended(self, instance_id: str, beat: int | None) -> None:
+        """A request sent() on top of heartbeat `beat` has ended. While no heartbeat came
+        since, it still counted in the instance's load: not any more (a later heartbeat
+        counts whatever is still running itself)."""
+        inst = self.instances.get(instance_id)
+        if inst is not None and beat is not None and inst.beat == beat:
+            inst.sent_since_hb = max(0, inst.sent_since_hb - 1)
 
     # ---- questions -------------------------------------------------------------------
     def is_alive(self, instance_id: str, now: float) -> bool:

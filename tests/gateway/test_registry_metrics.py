@@ -26,6 +26,28 @@ def test_least_loaded_not_round_robin():
     assert r.choose(1.5) == "b"
 
 
+def test_requests_that_ended_before_the_next_heartbeat_are_not_load():
+    """Short requests one after another, faster than heartbeats: each one that ended no
+    longer counts (else six of them make a warm, idle instance look busy and the seventh
+    loses its cache affinity); one still running does, until a heartbeat counts it."""
+    r = Registry(dead_after_s=3.0)
+    r.observe(hb("a"), now=0.0)
+    r.observe(hb("b"), now=0.0)
+    for _ in range(6):
+        beat = r.sent("a")
+        r.ended("a", beat)
+    assert r.choose(0.5, cached={"a": 512}) == "a"
+    assert r.instances["a"].load == 0
+    running = [r.sent("a") for _ in range(5)]              # five still running
+    assert r.choose(0.5, cached={"a": 512}) == "b"         # 5 > 0 + max_extra_load
+    r.observe(hb("a", running=5), now=1.0)                 # the heartbeat counts them now
+    for beat in running:
+        r.ended("a", beat)                                 # ...so these change nothing
+    assert r.instances["a"].load == 5
+    r.ended("a", None)                                     # unknown: nothing
+    r.ended("zzz", 1)
+
+
 def test_ties_go_to_more_free_blocks_and_exclude_is_honoured():
     r = Registry(dead_after_s=3.0)
     r.observe(hb("a", running=1, blocks_free=10), now=0.0)
