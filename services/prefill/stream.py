@@ -118,7 +118,7 @@ class LayerStream:
                 p = self.next_piece() or (rest.pop(0) if rest else None)
                 if p is None:
                     break
-                t = asyncio.ensure_future(self._write(p))
+                t = asyncio.ensure_future(self._write(p, during=not self.finished))
                 t.add_done_callback(lambda _: self.wake.set())
                 tasks.add(t)
             stopped = not ledger.may_issue(self.attempt) or bool(self.errors)
@@ -131,11 +131,13 @@ class LayerStream:
                 continue
             await self.wake.wait()
 
-    async def _write(self, p: wire.Piece) -> None:
+    async def _write(self, p: wire.Piece, during: bool) -> None:
+        """during: issued while the prompt was still computing (a streamed write, however
+        long the link then takes to carry it)."""
         src = self.engine.port.kept_blocks(self.local_id)[self.skip:self.end]
         n = await self.sender.write(self.job, self.engine, self.attempt, src, p, self.errors)
         self.bytes += n
-        if n and not self.finished:
+        if n and during:
             self.sender.counters["kv_writes_streamed"] += 1
             self.sender.counters["kv_bytes_streamed"] += n
 
