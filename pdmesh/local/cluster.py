@@ -241,9 +241,6 @@ class Cluster:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    async def _run(self, coro: Coroutine) -> Any:
-        return await asyncio.wrap_future(self._sup.submit(coro))
-
     # ---- work on the supervisor loop: each blocking (restart) and awaited (arestart) ---------
     async def _restart(self, name: str, wait: bool = True) -> None:
         """Stop a child (SIGTERM, then SIGKILL) and start it again, same flags and id."""
@@ -285,7 +282,7 @@ class Cluster:
         if self._sup is None:
             self._sup = Supervisor()
         try:
-            await self._run(self._start())
+            await self._sup.run(self._start())
         except BaseException:
             await self.astop()
             raise
@@ -295,7 +292,7 @@ class Cluster:
         if self._sup is None:
             return
         try:
-            await self._run(self._stop())
+            await self._sup.run(self._stop())
         finally:
             sup, self._sup = self._sup, None
             await asyncio.to_thread(sup.close)

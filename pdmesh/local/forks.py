@@ -27,7 +27,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from pdmesh.local.zygote import MAX_MSG, ROOM_ENV
+from pdmesh.local.zygote import MAX_MSG, ROOM_ENV, signal_group
 
 ARGV_ROOM = 16384      # bytes reserved for a child's command line
 ENV_ROOM = 32768       # and for its environment, beyond the zygote's own
@@ -55,7 +55,10 @@ class Forked:
 
     def send_signal(self, sig: int) -> None:
         if self.returncode is None:
-            os.kill(self.pid, sig)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:     # reaped by the zygote, its exit not yet read
+                pass
 
     def exited(self, code: int) -> None:
         self.returncode = code
@@ -132,7 +135,7 @@ class ForkServer:
             self._sock = None
 
     # ---- children --------------------------------------------------------------------------
-    def forkable(self, argv: list[str], env: dict[str, str], pass_fds: tuple[int, ...]) -> bool:
+    def forkable(self, argv: list[str], env: dict[str, str]) -> bool:
         if not (self._ready.is_set() and self.alive and self.room is not None):
             return False
         if argv[:2] != [sys.executable, "-m"] or len(argv) < 3 or _own(env) != _own(self.env):
@@ -149,7 +152,7 @@ class ForkServer:
             self.close()
             self.start()
             return None
-        if not self.forkable(argv, env, pass_fds):
+        if not self.forkable(argv, env):
             return None
         r, w = os.pipe()
         try:
@@ -217,10 +220,7 @@ class ForkServer:
             self._replied.notify_all()
             children, self._children = self._children, {}
         for child in children.values():
-            try:
-                os.killpg(child.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            signal_group(child.pid, signal.SIGKILL)
             child.exited(-int(signal.SIGKILL))
 
     def _log(self, popen: subprocess.Popen) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pdmesh.local.forks import Forked, ForkServer
+from pdmesh.local.zygote import signal_group
 
 LOG_LINES = 400
 
@@ -107,13 +108,10 @@ class Proc:
     def signal(self, sig: int, group: bool = False) -> None:
         if self.popen is None:
             return
-        try:
-            if group:
-                os.killpg(self.popen.pid, sig)   # start_new_session: pgid == pid
-            elif self.popen.poll() is None:
-                self.popen.send_signal(sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+        if group:
+            signal_group(self.popen.pid, sig)    # start_new_session: pgid == pid
+        else:
+            self.popen.send_signal(sig)          # a no-op once it has exited
 
     async def terminate(self, timeout_s: float) -> None:
         """SIGTERM, wait, then SIGKILL the whole process group (grandchildren too)."""
@@ -149,6 +147,10 @@ class Supervisor:
     def submit(self, coro: Coroutine) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
+    async def run(self, coro: Coroutine) -> Any:
+        """coro run on this loop, awaited from another loop."""
+        return await asyncio.wrap_future(self.submit(coro))
+
     def call(self, coro: Coroutine) -> Any:
         fut = self.submit(coro)
         try:
@@ -176,7 +178,7 @@ def on_loop(work: Callable[..., Coroutine], name: str = ""
 
     @functools.wraps(work)
     async def awaited(self, *args, **kwargs):
-        return await asyncio.wrap_future(self._sup.submit(work(self, *args, **kwargs)))
+        return await self._sup.run(work(self, *args, **kwargs))
 
     for fn, fn_name in ((blocking, name), (awaited, "a" + name)):
         fn.__name__ = fn_name

@@ -108,7 +108,7 @@ def serve(sock: socket.socket) -> tuple[dict, list[int]]:
         data, fds, _, _ = socket.recv_fds(sock, MAX_MSG, 64)
         if not data:                                  # the launcher is gone: so are we
             for pid in children:
-                _kill_group(pid)
+                signal_group(pid)
             os._exit(0)
         req = json.loads(data)
         try:
@@ -129,9 +129,10 @@ def serve(sock: socket.socket) -> tuple[dict, list[int]]:
             send(sock, {"id": req["id"], "pid": pid})
 
 
-def _kill_group(pid: int) -> None:
+def signal_group(pgid: int, sig: int = signal.SIGKILL) -> None:
+    """sig to a process group, which may be gone already."""
     try:
-        os.killpg(pid, signal.SIGKILL)
+        os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
 
