@@ -8,7 +8,8 @@ PDMESH_CPU_ARCH=x86-64-v3 (an image built for other machines) compiles for that 
 instead and keys the build by it; a CPU without the baseline's features (avx2, fma for v3)
 then uses the torch path rather than die on an illegal instruction. AMX is never used
 (some kernels list it without granting it). A build already there is loaded as it is,
-with no compiler (the image's final stage has none). `make venv`
+with no compiler (the image's final stage has none) and wherever the sources now are (a
+`pip install`ed copy beside a checkout shares it, not recompiles it). `make venv`
 builds it (`python -m kernels.cpu_ops`); a process that finds no build compiles it then
 (~30 s on 2 cores). Concurrent processes take turns on an fcntl lock beside that folder,
 which the kernel drops when its holder dies; torch's own lock file in the folder is only ever
@@ -169,6 +170,17 @@ def _build():
         log.info("building the C++ CPU ops in %s (once)", out)
     try:
         with build_lock(out):
+            # a build already there is this source's (the folder is keyed by its digest):
+            # loaded as it is, wherever the sources now live. Through cpp_extension, a copy
+            # of them at another path (an installed package beside a checkout) would
+            # recompile it (~30 s), and the other copy's next process again
+            try:
+                mod = _prebuilt(out)
+            except ImportError as e:       # a .so cut short (killed mid-link): rebuilt
+                log.warning("the C++ CPU ops in %s do not load (%s); rebuilding", out, e)
+                mod = None
+            if mod is not None:
+                return mod
             mod = cpp_extension.load(name="pdmesh_cpu_ops", sources=[str(p) for p in SOURCES],
                                      build_directory=str(out),
                                      extra_cflags=["-O3", f"-march={target}", *NO_AMX,
