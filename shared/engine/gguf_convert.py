@@ -196,7 +196,7 @@ def _convert(out_dir: Path, gguf_path: str | os.PathLike | None, force: bool) ->
         return record_quantization(out_dir, gguf_path, meta)
 
     print(f"[gguf_convert] converting {gguf_path} ({identity['size'] / 2**20:.0f} MiB) -> "
-          f"{out_dir} (about half a minute, once)", flush=True)
+          f"{out_dir} (about ten seconds, once)", flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     # build in a sibling temp dir, then move files in: a crash never leaves a folder that
     # looks complete, and whatever else lives in out_dir is left alone
