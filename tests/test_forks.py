@@ -108,3 +108,25 @@ def test_a_dead_zygote_takes_its_children_and_is_started_again(zygote):
     assert forks.spawn([sys.executable, "-m", "probe"], env) is None   # Popen this time
     assert forks.wait_ready(90) and forks.alive               # a new zygote
     assert run(forks, env).wait(30) == 0
+
+
+def test_the_meshes_of_one_process_share_a_zygote_that_outlives_each(tiny_target):
+    """A test run starts dozens of meshes in one process: each forks from the zygote the
+    first one started (no second ~3.4 s import), which a mesh's stop leaves running although
+    the supervisor thread that asked for it is gone (PDEATHSIG follows the keeper thread)."""
+    from pdmesh.local.cluster import Cluster
+    from pdmesh.local.forks import Forked
+
+    def mesh():
+        return Cluster(str(tiny_target), prefill=0, decode=1, gateway=False, echo=False,
+                       fork_server=True)
+
+    with mesh() as first:
+        forks = first.forks
+        zygote = forks.popen.pid
+        assert isinstance(first.procs["decode-0"].popen, Forked)
+    time.sleep(0.5)                    # a PDEATHSIG would have landed by now
+    assert forks.alive                 # not exited (a zombie would pass os.kill(pid, 0))
+    with mesh() as second:
+        assert second.forks.popen.pid == zygote
+        assert isinstance(second.procs["decode-0"].popen, Forked)

@@ -49,7 +49,7 @@ from pdmesh.deploy.creds import Secrets
 from pdmesh.deploy.streamkeeper import StreamKeeper
 from pdmesh.local import readiness
 from pdmesh.local.backbone import Backbone
-from pdmesh.local.forks import ForkServer
+from pdmesh.local.forks import ForkServer, shared as shared_fork_server
 from pdmesh.local.launch import (
     CONFIG_CLASSES,
     ClusterError,
@@ -103,7 +103,8 @@ class Cluster:
         and instance id; restart_limit exits of one child within restart_window_s is a crash
         loop, and gave_up then says why (pdmesh up stops). fork_server: services are
         forked from one process that has imported their libraries (pdmesh.local.zygote),
-        which saves each start (and restart) those seconds; False: each is its own
+        which saves each start (and restart) those seconds; that process is kept for every
+        mesh this process starts (pdmesh.local.forks.shared); False: each is its own
         `python -m services.X`; None: True unless PDMESH_FORK_SERVER=0 (the way to turn it
         off for `pdmesh up`)."""
         self.model = str(model)
@@ -314,8 +315,8 @@ class Cluster:
         self.port = self.port or free_port()
         if self.fork_server and any(self.counts[s] for s in ("prefill", "decode", "gateway")):
             # imports while nats-server starts (a kvstore alone imports little: no gain)
-            self.forks = ForkServer(child_env(self.extra_env), die_with_parent(os.getpid()))
-            self.forks.start()
+            self.forks = shared_fork_server(child_env(self.extra_env),
+                                            die_with_parent(os.getpid()))
         self.backbone = Backbone(self.tmp, self.nats_cluster, port=self.nats_port,
                                  http_port=self.nats_http_port, listen_host=self.nats_host,
                                  auth=self.nats_auth, tls=self.nats_tls)
@@ -365,9 +366,7 @@ class Cluster:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        if self.forks is not None:
-            await asyncio.to_thread(self.forks.close)
-            self.forks = None
+        self.forks = None                  # shared: it serves this process's next mesh
         if self.backbone is not None:
             await self.backbone.stop()
         if self.tmp is not None:

@@ -8,6 +8,9 @@ pdmesh.local.procs.Proc uses as it uses a Popen.
     child = forks.spawn(argv, env, pass_fds)   # None: not forkable here, use Popen
     forks.close()                      # the zygote stops; its children are killed
 
+    forks = shared(env, preexec_fn)    # what Cluster uses: one zygote for every mesh this
+                                       # process starts with that environment
+
 A child is forked only when the zygote is ready, the command is `python -m MODULE ...` of
 this interpreter, its environment differs from the zygote's in PDMESH_* variables alone,
 and its command line and environment fit the room the zygote reserved. If the zygote dies,
@@ -16,8 +19,11 @@ new zygote, using Popen meanwhile.
 """
 from __future__ import annotations
 
+import atexit
+import concurrent.futures
 import json
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -67,10 +73,11 @@ class Forked:
 
 class ForkServer:
     def __init__(self, env: dict[str, str], preexec_fn: Callable[[], None] | None = None,
-                 start_timeout_s: float = 120.0):
+                 start_timeout_s: float = 120.0, keeper: "_Keeper | None" = None):
         """env: the zygote's environment (every child's but its PDMESH_* variables).
-        preexec_fn: the zygote's (pdmesh.local.procs: die with the spawning thread)."""
-        self.env, self.preexec_fn = dict(env), preexec_fn
+        preexec_fn: the zygote's (pdmesh.local.procs: die with the spawning thread).
+        keeper: the thread that starts the zygote (else the caller's)."""
+        self.env, self.preexec_fn, self.keeper = dict(env), preexec_fn, keeper
         self.start_timeout_s = start_timeout_s
         self.popen: subprocess.Popen | None = None
         self.lines: deque[str] = deque(maxlen=200)    # the zygote's own output
@@ -88,6 +95,11 @@ class ForkServer:
     # ---- life ------------------------------------------------------------------------------
     def start(self) -> None:
         """Start the zygote (it imports for a few seconds; spawn() uses Popen until then)."""
+        if self.keeper is not None:
+            return self.keeper.call(self._start)
+        return self._start()
+
+    def _start(self) -> None:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = self.env | {ROOM_ENV: " " * ENV_ROOM}
         try:
@@ -227,3 +239,57 @@ class ForkServer:
         for raw in popen.stdout:
             self.lines.append(raw.decode("utf-8", "replace").rstrip("\n"))
         popen.stdout.close()
+
+
+# ---- one zygote for every mesh of this process ----------------------------------------------
+class _Keeper:
+    """A thread that lives as long as this process. A zygote dies with the thread that
+    started it (PR_SET_PDEATHSIG follows the thread), so one started here outlives the mesh
+    that asked first and dies with the process."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="zygote-keeper", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            fn, fut = self._jobs.get()
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+
+    def call(self, fn: Callable[[], object]) -> object:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((fn, fut))
+        return fut.result()
+
+
+_shared: dict[tuple, ForkServer] = {}
+_shared_lock = threading.Lock()
+_keeper: _Keeper | None = None
+
+
+def shared(env: dict[str, str], preexec_fn: Callable[[], None] | None = None) -> ForkServer:
+    """The zygote for env (less its PDMESH_* variables), started once and kept for every mesh
+    this process starts (a test run starts dozens: each would import torch, transformers
+    and the rest again, ~3.4 s). Meshes never close it; it stops when the process exits."""
+    global _keeper
+    key = tuple(sorted(_own(env).items()))
+    with _shared_lock:
+        forks = _shared.get(key)
+        if forks is None:
+            if _keeper is None:
+                _keeper = _Keeper()
+                atexit.register(_close_shared)
+            forks = _shared[key] = ForkServer(env, preexec_fn, keeper=_keeper)
+            forks.start()
+        return forks
+
+
+def _close_shared() -> None:
+    with _shared_lock:
+        servers = list(_shared.values())
+        _shared.clear()
+    for forks in servers:
+        forks.close()
