@@ -86,10 +86,13 @@ def _json(data: bytes) -> dict | None:
     return obj if isinstance(obj, dict) else None
 
 
-async def ping(nc: nats.NATS, service: str | None = None,
-               wait_s: float = COLLECT_S) -> list[Instance]:
+async def ping(nc: nats.NATS, service: str | None = None, wait_s: float = COLLECT_S,
+               expect: int | None = None) -> list[Instance]:
+    """Every instance (of `service`, or all) that answers $SRV.PING within wait_s (or the
+    first `expect` to answer)."""
     out = []
-    for msg in await collect(nc, control_subject(ServiceVerb.PING, service), wait_s):
+    for msg in await collect(nc, control_subject(ServiceVerb.PING, service), wait_s,
+                             expect=expect):
         d = _json(msg.data)
         if d and "name" in d:
             out.append(Instance(service=d["name"], id=d.get("id", ""),

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import nats
 import pytest
 
 from pdmesh.local.cluster import Cluster, ClusterError
@@ -98,6 +99,14 @@ async def test_async_context_manager_does_not_block_the_loop():
         t0 = time.monotonic()
         assert len(await micro.service_stats(c.nats_url, "kvstore", wait_s=20, expect=1)) == 1
         assert time.monotonic() - t0 < 10          # expect=1 stops waiting at the answer
+        nc = await nats.connect(**c.client_options())    # so does a ping (readiness uses it)
+        try:
+            t0 = time.monotonic()
+            found = await micro.ping(nc, "kvstore", wait_s=20, expect=1)
+            assert [i.instance_id for i in found] == ["kvstore_0"]
+            assert time.monotonic() - t0 < 10
+        finally:
+            await nc.close()
         total = await micro.total_stats(c.nats_url, "kvstore")
         assert total and set(total) <= set(per[0])
 

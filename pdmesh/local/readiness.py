@@ -10,6 +10,8 @@ from typing import Any
 from pdmesh.local.launch import ClusterError
 from pdmesh.local.procs import Proc
 
+POLL_S = 0.2        # between two looks (each a GET /ready and a $SRV.PING)
+
 
 async def wait_ready(procs: Mapping[str, Proc], url: str, nats_options: dict[str, Any],
                      timeout_s: float, check_alive: Callable[[list[str]], None]) -> None:
@@ -28,7 +30,7 @@ async def wait_ready(procs: Mapping[str, Proc], url: str, nats_options: dict[str
                 raise ClusterError(f"not ready after {timeout_s:.0f}s: {', '.join(gone)}\n"
                                    + "\n".join(f"--- {n}\n{procs[n].tail(15)}"
                                                for n in gone if n in procs))
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(POLL_S)
 
 
 async def missing(procs: Iterable[Proc], http, url: str, nats_options: dict[str, Any]
@@ -56,7 +58,7 @@ async def missing(procs: Iterable[Proc], http, url: str, nats_options: dict[str,
     except Exception:  # noqa: BLE001 - nats restarting
         return [p.name for p in want]
     try:
-        found = await micro.ping(nc)
+        found = await micro.ping(nc, expect=len(want) or None)   # all answered: done
     finally:
         await nc.close()
     seen = {(i.service, i.instance_id) for i in found}
