@@ -110,16 +110,19 @@ def test_a_dead_zygote_takes_its_children_and_is_started_again(zygote):
     assert run(forks, env).wait(30) == 0
 
 
-def test_the_meshes_of_one_process_share_a_zygote_that_outlives_each(tiny_target):
+def test_the_meshes_of_one_process_share_a_zygote_that_outlives_each(tiny_target,
+                                                                     monkeypatch):
     """A test run starts dozens of meshes in one process: each forks from the zygote the
     first one started (no second ~3.4 s import), which a mesh's stop leaves running although
-    the supervisor thread that asked for it is gone (PDEATHSIG follows the keeper thread)."""
+    the supervisor thread that asked for it is gone (PDEATHSIG follows the keeper thread).
+    pytest's per-test variable does not part them; another environment gets its own
+    zygote, and the idle one is stopped (each holds ~300 MB)."""
     from pdmesh.local.cluster import Cluster
     from pdmesh.local.forks import Forked
 
-    def mesh():
+    def mesh(**env):
         return Cluster(str(tiny_target), prefill=0, decode=1, gateway=False, echo=False,
-                       fork_server=True)
+                       fork_server=True, extra_env=env)
 
     with mesh() as first:
         forks = first.forks
@@ -127,6 +130,10 @@ def test_the_meshes_of_one_process_share_a_zygote_that_outlives_each(tiny_target
         assert isinstance(first.procs["decode-0"].popen, Forked)
     time.sleep(0.5)                    # a PDEATHSIG would have landed by now
     assert forks.alive                 # not exited (a zombie would pass os.kill(pid, 0))
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/next.py::test_next (setup)")
     with mesh() as second:
         assert second.forks.popen.pid == zygote
         assert isinstance(second.procs["decode-0"].popen, Forked)
+    with mesh(SOME_LIBRARY_SETTING="1") as third:
+        assert third.forks is not forks and isinstance(third.procs["decode-0"].popen, Forked)
+        assert not forks.alive

@@ -40,8 +40,14 @@ ENV_ROOM = 32768       # and for its environment, beyond the zygote's own
 REPLY_TIMEOUT_S = 10.0
 
 
+# set anew for each test phase by pytest, and read by none of the zygote's imports
+VOLATILE = frozenset({"PYTEST_CURRENT_TEST"})
+
+
 def _own(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if not k.startswith("PDMESH_")}
+    """What must equal the zygote's: the environment its imports ran under, less pdmesh's
+    own variables (read by the child, after the fork) and VOLATILE."""
+    return {k: v for k, v in env.items() if not k.startswith("PDMESH_") and k not in VOLATILE}
 
 
 class Forked:
@@ -120,6 +126,11 @@ class ForkServer:
 
     def wait_ready(self, timeout_s: float | None = None) -> bool:
         return self._ready.wait(self.start_timeout_s if timeout_s is None else timeout_s)
+
+    @property
+    def has_children(self) -> bool:
+        with self._lock:
+            return bool(self._children)
 
     @property
     def alive(self) -> bool:
@@ -282,6 +293,10 @@ def shared(env: dict[str, str], preexec_fn: Callable[[], None] | None = None) ->
             if _keeper is None:
                 _keeper = _Keeper()
                 atexit.register(_close_shared)
+            # a zygote per environment ever seen would hold ~300 MB each: one for another
+            # environment with no child left is stopped
+            for other in [k for k, f in _shared.items() if not f.has_children]:
+                _shared.pop(other).close()
             forks = _shared[key] = ForkServer(env, preexec_fn, keeper=_keeper)
             forks.start()
         return forks
