@@ -120,20 +120,22 @@ def test_the_meshes_of_one_process_share_a_zygote_that_outlives_each(tiny_target
     from pdmesh.local.cluster import Cluster
     from pdmesh.local.forks import Forked
 
-    def mesh(**env):
+    def mesh(env: str):
+        # an environment of this test's own: a mesh that another module of this worker
+        # keeps (a session fixture) holds children in the zygote of the usual one
         return Cluster(str(tiny_target), prefill=0, decode=1, gateway=False, echo=False,
-                       fork_server=True, extra_env=env)
+                       fork_server=True, extra_env={"TEST_FORKS_ENV": env})
 
-    with mesh() as first:
+    with mesh("a") as first:
         forks = first.forks
         zygote = forks.popen.pid
         assert isinstance(first.procs["decode-0"].popen, Forked)
     time.sleep(0.5)                    # a PDEATHSIG would have landed by now
     assert forks.alive                 # not exited (a zombie would pass os.kill(pid, 0))
     monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/next.py::test_next (setup)")
-    with mesh() as second:
+    with mesh("a") as second:
         assert second.forks.popen.pid == zygote
         assert isinstance(second.procs["decode-0"].popen, Forked)
-    with mesh(SOME_LIBRARY_SETTING="1") as third:
+    with mesh("b") as third:
         assert third.forks is not forks and isinstance(third.procs["decode-0"].popen, Forked)
         assert not forks.alive
