@@ -85,8 +85,12 @@ def test_every_service_exports_the_same_connected_trace(tiny_target, tiny_tokeni
             roots = [s for svc, s in collector.spans if svc == "pdmesh-gateway"
                      and s.name == "gateway POST /v1/completions"]
             spans = collector.trace(roots[0].trace_id) if roots else []
+            ids = {s.span_id for _, s in spans}
+            # every service, the write-back, and every parent: a span is exported when it
+            # ends, so a parent can reach the collector after its children
             if {svc for svc, _ in spans} == SERVICES and any(
-                    s.name == "kvstore put" for _, s in spans):
+                    s.name == "kvstore put" for _, s in spans) and all(
+                    s.parent_span_id in ids for _, s in spans if s.parent_span_id):
                 break
             time.sleep(0.2)
     assert {svc for svc, _ in spans} == SERVICES, sorted({(svc, s.name) for svc, s in spans})
