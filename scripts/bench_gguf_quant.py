@@ -32,7 +32,8 @@ from pdmesh.bench.report import save
 from shared.engine import quant
 from shared.engine.config import EngineConfig
 from shared.engine.engine import LLMEngine
-from shared.engine.gguf_convert import default_model_dir, engine_quantization
+from shared.engine.gguf_convert import default_model_dir
+from shared.engine.gguf_header import engine_quantization
 
 ROOT = Path(__file__).resolve().parents[1]
 

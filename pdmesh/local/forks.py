@@ -23,7 +23,6 @@ import atexit
 import concurrent.futures
 import json
 import os
-import queue
 import signal
 import socket
 import subprocess
@@ -79,7 +78,8 @@ class Forked:
 
 class ForkServer:
     def __init__(self, env: dict[str, str], preexec_fn: Callable[[], None] | None = None,
-                 start_timeout_s: float = 120.0, keeper: "_Keeper | None" = None):
+                 start_timeout_s: float = 120.0,
+                 keeper: concurrent.futures.Executor | None = None):
         """env: the zygote's environment (every child's but its PDMESH_* variables).
         preexec_fn: the zygote's (pdmesh.local.procs: die with the spawning thread).
         keeper: the thread that starts the zygote (else the caller's)."""
@@ -102,7 +102,7 @@ class ForkServer:
     def start(self) -> None:
         """Start the zygote (it imports for a few seconds; spawn() uses Popen until then)."""
         if self.keeper is not None:
-            return self.keeper.call(self._start)
+            return self.keeper.submit(self._start).result()
         return self._start()
 
     def _start(self) -> None:
@@ -253,32 +253,12 @@ class ForkServer:
 
 
 # ---- one zygote for every mesh of this process ----------------------------------------------
-class _Keeper:
-    """A thread that lives as long as this process. A zygote dies with the thread that
-    started it (PR_SET_PDEATHSIG follows the thread), so one started here outlives the mesh
-    that asked first and dies with the process."""
-
-    def __init__(self):
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="zygote-keeper", daemon=True).start()
-
-    def _run(self) -> None:
-        while True:
-            fn, fut = self._jobs.get()
-            try:
-                fut.set_result(fn())
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                fut.set_exception(e)
-
-    def call(self, fn: Callable[[], object]) -> object:
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._jobs.put((fn, fut))
-        return fut.result()
-
-
 _shared: dict[tuple, ForkServer] = {}
 _shared_lock = threading.Lock()
-_keeper: _Keeper | None = None
+# the zygote dies with the thread that started it (PR_SET_PDEATHSIG follows the thread), and
+# a mesh's supervisor thread ends at its stop: a shared zygote is started (and restarted)
+# by this executor's one thread, which lives as long as the process
+_keeper: concurrent.futures.ThreadPoolExecutor | None = None
 
 
 def shared(env: dict[str, str], preexec_fn: Callable[[], None] | None = None) -> ForkServer:
@@ -291,7 +271,8 @@ def shared(env: dict[str, str], preexec_fn: Callable[[], None] | None = None) ->
         forks = _shared.get(key)
         if forks is None:
             if _keeper is None:
-                _keeper = _Keeper()
+                _keeper = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="zygote-keeper")
                 atexit.register(_close_shared)
             # a zygote per environment ever seen would hold ~300 MB each: one for another
             # environment with no child left is stopped

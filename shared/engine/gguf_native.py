@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .gguf_convert import field_value
+from .gguf_header import field_value
 from .loader import CheckpointError
 
 

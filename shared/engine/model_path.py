@@ -44,7 +44,7 @@ AUTO_QUANTIZE = "int4"   # quantize "auto" for a folder that is no GGUF conversi
 
 def auto_quantize(folder: Path) -> str:
     """quantize "auto": the precision of the GGUF the folder was converted from
-    (gguf_convert.engine_quantization), else AUTO_QUANTIZE."""
+    (gguf_header.engine_quantization), else AUTO_QUANTIZE."""
     import logging
 
     from .gguf_convert import file_quantization
