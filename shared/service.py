@@ -32,6 +32,7 @@ from shared.natsconn import NatsAuth, connect_kwargs
 log = logging.getLogger("pdmesh")
 
 HEARTBEAT_INTERVAL_S = 1.0
+CLOSE_GRACE_S = 5.0
 VERSION = "0.1.0"
 
 
@@ -75,6 +76,7 @@ class ServiceRuntime:
         self.stopping = asyncio.Event()
         self.bad_messages = 0
         self._tasks: list[asyncio.Task] = []
+        self._handling: set[asyncio.Task] = set()   # concurrent endpoints' requests in hand
 
     # ---- lifecycle --------------------------------------------------------------------
     async def start(self) -> None:
@@ -132,6 +134,8 @@ class ServiceRuntime:
                 await self.micro.stop()
             except Exception:  # noqa: BLE001
                 pass
+        if self._handling:            # no new ones now: let those in hand answer
+            await asyncio.wait(set(self._handling), timeout=CLOSE_GRACE_S)
         if self.nc is not None and not self.nc.is_closed:
             try:
                 await asyncio.wait_for(self.nc.drain(), 5)
@@ -147,10 +151,15 @@ class ServiceRuntime:
     # ---- endpoints --------------------------------------------------------------------
     async def endpoint(self, name: str, subject: str,
                        handler: Callable[[Any], Awaitable[bytes | None]],
-                       codec: Codec | None, raw: bool = False, queue_group: str | None = None):
+                       codec: Codec | None, raw: bool = False, queue_group: str | None = None,
+                       concurrent: bool = False):
         """Register a micro endpoint. The handler gets the decoded struct (or the micro
         Request when raw=True) and returns reply bytes (or None for no reply). Bad
-        messages and handler failures become typed error replies; the service lives on."""
+        messages and handler failures become typed error replies; the service lives on.
+
+        A subscription hands its messages over one at a time: a handler that awaits I/O
+        holds back every message behind it. concurrent=True runs each in a task of its
+        own (those still running when the service closes get CLOSE_GRACE_S to answer)."""
 
         async def wrapped(req: Request) -> None:
             try:
@@ -172,8 +181,17 @@ class ServiceRuntime:
             if reply is not None and req._msg.reply:
                 await req.respond(reply)
 
-        await self.micro.add_endpoint(name=name, subject=subject,
-                                      handler=tracing.traced_handler(self.service, name, wrapped),
+        traced = tracing.traced_handler(self.service, name, wrapped)
+        if concurrent:
+            async def each_in_a_task(req: Request) -> None:
+                t = asyncio.ensure_future(traced(req))
+                self._handling.add(t)
+                t.add_done_callback(self._handling.discard)
+                t.add_done_callback(_log_task_error)
+            on_request = each_in_a_task
+        else:
+            on_request = traced
+        await self.micro.add_endpoint(name=name, subject=subject, handler=on_request,
                                       queue_group=queue_group or "q")
 
 

@@ -8,6 +8,7 @@ when it completes with tokens other than its reference's.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 
@@ -61,11 +62,14 @@ class Load:
                 r["tokens"] += ch.get("token_ids") or []
             self.streaming[i] = len(r["tokens"])
 
-    async def run(self, n: int, concurrency: int = 16) -> None:
-        todo = iter(range(n))
+    async def run(self, n: int, concurrency: int = 16,
+                  until: asyncio.Future | None = None) -> None:
+        """n requests, `concurrency` at a time; with `until`, more after the n while it is
+        not done (a fault that must meet requests in flight however long it takes)."""
+        todo = itertools.count()
 
         async def worker(http):
-            for i in todo:
+            while (i := next(todo)) < n or (until is not None and not until.done()):
                 await self.one(http, i)
 
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:

@@ -7,8 +7,8 @@ and the request is lost, a migrating one included. So the job is queued in a tas
 the acknowledgement waits for it at most `wait_s`; a job not yet queued goes on being
 queued after it (or the request falls back to a local prefill, as on any failed queueing).
 While such a job is still pending, the stream is known not to answer and the next
-submissions do not wait at all: decode handles submissions one at a time, so the waits of
-a burst (every request migrating after the node's death) would add up."""
+submissions do not wait at all: they would only wait out the same election (a burst:
+every request migrating after the node's death)."""
 from __future__ import annotations
 
 import asyncio

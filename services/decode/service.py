@@ -87,6 +87,8 @@ class DecodeService:
         self.queueing = JobQueueing()    # jobs still being queued after their ack
         self.wake = asyncio.Event()
         self.accepting = True
+        # submissions in hand (handled concurrently) -> an abort that came meanwhile
+        self.admitting: dict[str, AbortReason | None] = {}
         self.counters = {"pd": 0, "colocated": 0, "kv_writes_applied": 0, "kv_writes_fenced": 0,
                          "kv_bytes": 0}
         # the repetition rule always; the acceptance rules while speculating
@@ -125,7 +127,11 @@ class DecodeService:
         if self.cfg.kvstore:
             self.writeback = WriteBack(self.cfg.write_policy, self.kvc)
         ep = self.rt.endpoint
-        await ep("submit", subjects.decode_submit(self.iid), self.on_submit, Codec(DecodeSubmit))
+        # each submission in a task of its own: one waiting on its cache lookup or on the
+        # job queue must not hold back the rest (a burst's waits added up past the
+        # gateway's submit_timeout_s: tests/e2e/test_up_faults.py, a frozen kvstore)
+        await ep("submit", subjects.decode_submit(self.iid), self.on_submit, Codec(DecodeSubmit),
+                 concurrent=True)
         await ep("abort", subjects.decode_abort(self.iid), self.on_abort, Codec(Abort))
         await ep("progress", subjects.decode_progress(self.iid), self.on_progress,
                  Codec(ProgressQuery))
@@ -152,6 +158,9 @@ class DecodeService:
         """SIGTERM: refuse new work, let running requests finish, abort the rest, and give
         their reclaims a moment (so prefill stops writing for requests that are gone)."""
         self.accepting = False
+        deadline = time.monotonic() + self.cfg.kvstore_timeout_s + self.cfg.job_queue_wait_s + 1
+        while self.admitting and time.monotonic() < deadline:   # in hand: drained as the rest
+            await asyncio.sleep(0.02)
         deadline = time.monotonic() + self.cfg.drain_timeout_s
         while any(True for _ in self.table.live()) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
@@ -201,6 +210,18 @@ class DecodeService:
     async def on_submit(self, sub: DecodeSubmit) -> bytes:
         rid = sub.request_id
         self._check_submit(sub)
+        self.admitting[rid] = None
+        try:
+            ack = await self._admit(sub)
+        finally:
+            aborted = self.admitting.pop(rid, None)
+        if aborted is not None:   # (the gateway gave up waiting for this ack: its abort)
+            self.reclaimer.abort(rid, aborted)
+            raise ServiceError(ErrorCode.ABORTED, "aborted while being admitted", rid)
+        return ack
+
+    async def _admit(self, sub: DecodeSubmit) -> bytes:
+        rid = sub.request_id
         fields = {"reply_subject": sub.reply_subject, "gateway": sub.gateway,
                   "submitted": time.monotonic()}
         slots = None
@@ -236,9 +257,9 @@ class DecodeService:
             raise ServiceError(ErrorCode.TOKENIZER_MISMATCH,
                                "tokenizer fingerprint differs from this decode instance's",
                                sub.request_id)
-        if self.table.get(sub.request_id) is not None:
+        if self.table.get(sub.request_id) is not None or sub.request_id in self.admitting:
             raise ServiceError(ErrorCode.INVALID_REQUEST, "duplicate request id", sub.request_id)
-        queued = self.engine.port.busy()[1] + self.table.awaiting_kv()
+        queued = self.engine.port.busy()[1] + self.table.awaiting_kv() + len(self.admitting)
         if queued >= self.cfg.max_queued:
             raise ServiceError(ErrorCode.OVERLOADED, f"{queued} requests queued here "
                                f"(max_queued {self.cfg.max_queued})", sub.request_id)
@@ -334,7 +355,10 @@ class DecodeService:
         await self.stream.publish(out)
 
     async def on_abort(self, ab: Abort) -> None:
-        self.reclaimer.abort(ab.request_id, ab.reason or AbortReason.CLIENT)
+        reason = ab.reason or AbortReason.CLIENT
+        if ab.request_id in self.admitting:   # not in the table yet: aborted once it is
+            self.admitting[ab.request_id] = reason
+        self.reclaimer.abort(ab.request_id, reason)
         return None
 
     async def on_progress(self, q: ProgressQuery) -> bytes:

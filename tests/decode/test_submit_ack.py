@@ -13,6 +13,8 @@ import asyncio
 import pytest
 
 from services.decode.request import RequestStatus
+from shared.contracts.common import ErrorCode
+from shared.service import ServiceError
 
 from .local_mesh import MAX_TOKENS, LocalMesh, until
 
@@ -44,7 +46,7 @@ async def test_a_submission_is_acknowledged_while_the_job_stream_elects_a_leader
         assert ack.path.value == "pd" and not mesh.jobs
         assert mesh.decode.table.state("a") is RequestStatus.ALLOCATED
         # the next submission does not wait again while "a"'s job is still waiting
-        # (submissions are handled one at a time: a burst would add the waits up)
+        # (it would only wait out the same election)
         mesh.decode.cfg.job_queue_wait_s = 600.0
         ack = await asyncio.wait_for(
             mesh.submit("b", prompts["b"], max_tokens=MAX_TOKENS, ignore_eos=True), 3.0)
@@ -67,6 +69,50 @@ async def test_a_submission_is_acknowledged_while_the_job_stream_elects_a_leader
         assert not mesh.decode.queueing and mesh.decode.stats()["blocks_used"] == 0
     finally:
         await mesh.close()
+
+
+async def test_an_abort_that_comes_while_the_submission_is_in_hand_ends_it(tiny_target,
+                                                                           tiny_prompts):
+    """The gateway aborts a submission it gave up waiting for (submit_timeout_s) and tries
+    another instance. That abort could come while decode still had the submission in hand,
+    before the request was in its table (its cache lookup or its schema's compile took
+    that long): it found nothing to abort, and the request was then admitted and generated
+    for nobody."""
+    mesh = LocalMesh(tiny_target, decode={"kvstore": True})
+    mesh.decode.kvc = kvstore = SlowKvstore()
+    await mesh.start()
+    try:
+        prompt = (tiny_prompts[5] * 40)[:40]          # a whole chunk: there is a prefix to look up
+        sub = asyncio.ensure_future(
+            mesh.submit("a", prompt, max_tokens=MAX_TOKENS, ignore_eos=True))
+        await asyncio.wait_for(kvstore.asked.wait(), 10)
+        await mesh.abort("a")
+        kvstore.answer.set()
+        with pytest.raises(ServiceError) as refused:
+            await sub
+        assert refused.value.reply.code is ErrorCode.ABORTED
+        assert mesh.decode.table.get("a") is None and stats(mesh)["blocks_used"] == 0
+        assert not mesh.decode.admitting
+    finally:
+        await mesh.close()
+
+
+def stats(mesh: LocalMesh) -> dict:
+    return mesh.decode.stats()
+
+
+class SlowKvstore:
+    """Decode's kvstore client, its lookups answered (a miss) once `answer` is set."""
+
+    def __init__(self):
+        self.counters: dict[str, int] = {}
+        self.asked, self.answer = asyncio.Event(), asyncio.Event()
+
+    async def lookup(self, keys) -> int:
+        assert keys
+        self.asked.set()
+        await self.answer.wait()
+        return 0
 
 
 async def test_a_job_queued_at_once_is_acknowledged_after_it_is_queued(tiny_target,

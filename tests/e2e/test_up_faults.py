@@ -8,6 +8,8 @@ NATS auth on (the default).
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -48,8 +50,8 @@ def up():
 
 
 @pytest.fixture(scope="module")
-def refs(up, tiny_prompts):
-    """The engine alone, built from decode-0's own command line (the mesh's settings)."""
+def alone(up):
+    """The engine alone's settings, from decode-0's own command line (the mesh's)."""
     from services.decode.config import DecodeConfig
     from shared.settings import load
 
@@ -58,26 +60,36 @@ def refs(up, tiny_prompts):
     flags = [a.decode() for a in argv if a][3:]       # python -m services.decode FLAGS
     engine = load(DecodeConfig, flags).engine
     engine.threads = 1
-    return references(engine, tiny_prompts, MAX_TOKENS)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def refs(alone, tiny_prompts):
+    return references(alone, tiny_prompts, MAX_TOKENS)
 
 
 def run(up, coro):
     return up[1].run_until_complete(asyncio.wait_for(coro, 300))
 
 
-async def under_load(m: UpMesh, prompts, fault, n: int = 32) -> Load:
-    """n greedy streams, 16 at a time; fault(load) runs beside them."""
+async def under_load(m: UpMesh, prompts, fault, n: int = 32, through: bool = False
+                     ) -> Load:
+    """n greedy streams, 16 at a time; fault(load) runs beside them. through: streams go
+    on being sent until the fault is over (a rolling restart's CLI can start after n
+    short streams have all ended: no drain would then meet one)."""
     load = Load(m.url, prompts, "tiny-target", MAX_TOKENS)
-    runner = asyncio.ensure_future(load.run(n))
+    faulted = asyncio.ensure_future(fault(load))
+    runner = asyncio.ensure_future(load.run(n, until=faulted if through else None))
     try:
-        await fault(load)
+        await faulted
     finally:
         await runner
     return load
 
 
 def check(load: Load, refs, m: UpMesh, n: int = 32) -> None:
-    assert len(load.results) == n
+    assert len(load.results) >= n                   # every request sent came back
+    assert sorted(r["i"] for r in load.results) == list(range(len(load.results)))
     assert load.failed() == [], (load.failed()[:3], m.tail(40))
     assert load.wrong(refs) == [], m.tail(20)
 
@@ -146,10 +158,30 @@ def test_rolling_restart_under_load_costs_no_request(up, refs, tiny_prompts, ser
         assert code == 0, out
         assert "rolling restart done" in out
 
-    load = run(up, under_load(m, tiny_prompts, fault))
+    load = run(up, under_load(m, tiny_prompts, fault, through=True))
     check(load, refs, m)
     if service == "decode":    # drain_timeout_s=0: the streams of each drained decode moved
         assert _sample(run(up, m.metrics()), handed_on) > before
+
+
+def test_a_frozen_kvstore_costs_no_request(up, alone, tiny_prompts):
+    """kill -STOP of the kvstore (its host stops answering: a long pause, a partition). Every
+    PD submission's cache lookup then waits kvstore_timeout_s (2 s) for nothing. Decode took
+    submissions one at a time, so a burst's waits added up past the gateway's
+    submit_timeout_s (5 s): 16 concurrent requests, 8 per decode, and all but the first
+    two of each failed 503 no_decode_instance. Each waits on its own now."""
+    m, _ = up
+    # 16 prompts of 272 tokens: one whole chunk each (deterministic mode looks up no less)
+    prompts = [(p * 300)[:272] for p in tiny_prompts[:16]]
+    pid = m.pid("kvstore-0")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        load = Load(m.url, prompts, "tiny-target", MAX_TOKENS)
+        run(up, load.run(32))
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    check(load, references(alone, prompts, MAX_TOKENS), m)
+    assert m.pid("kvstore-0") == pid                 # frozen, not taken for dead
 
 
 def test_status_finds_the_mesh_with_no_flags_and_no_secret_is_shown(up):
