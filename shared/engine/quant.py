@@ -29,6 +29,8 @@ Embedding lookups keep the unquantized table (one row per token is read).
 """
 from __future__ import annotations
 
+import functools
+import logging
 import os
 
 import torch
@@ -45,6 +47,7 @@ from kernels.cpu_ops.gemv import (
     int8_gemv_ready,
 )
 
+log = logging.getLogger("pdmesh.engine")
 MODES = ("", "int8", "int4")
 A8_MIN_ROWS = 6        # act_int8: forwards of at least this many rows take int8 activations
 #                        (measured on SmolLM2, one thread: int4 at 4 rows is 9% faster than W8A8,
@@ -54,13 +57,14 @@ INT4_GROUP = 32
 
 class Int8Weight:
     """a8: a forward of A8_MIN_ROWS rows or more quantizes its activations to int8 (per row,
-    symmetric) and multiplies on int8 dot products (torch._int_mm: oneDNN, VNNI), 5-10x
+    symmetric) and multiplies on int8 dot products (oneDNN, VNNI; int_mm elsewhere), 5-10x
     the bfloat16-activation kernel's throughput from 32 rows on; fewer rows (a batch-1
     decode step, bandwidth-bound) keep that kernel. Deterministic mode pads every forward
     to a fixed number of rows, so its numerics still do not depend on the batch."""
-    __slots__ = ("q", "scale", "scale_f", "a8", "packed", "_ones", "_zps", "gemv", "batch")
+    __slots__ = ("q", "scale", "scale_f", "a8", "packed", "_ones", "_zps", "gemv", "batch",
+                 "head")
 
-    def __init__(self, w: torch.Tensor, a8: bool = False):
+    def __init__(self, w: torch.Tensor, a8: bool = False, head: bool = False):
         wf = w.float()
         scale = wf.abs().amax(dim=1).clamp(min=1e-8) / 127.0
         self.q = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
@@ -68,7 +72,9 @@ class Int8Weight:
         self.a8 = a8 and not w.is_cuda
         self.gemv = not w.is_cuda and int8_gemv_ready()   # up to INT8_GEMV_MAX_ROWS rows
         self.batch = not w.is_cuda and w.shape[1] % 32 == 0 and batch_ready()   # then int8_gemm
-        self.scale_f = scale if self.a8 else None
+        # the LM head: float32 logits, the top ones computed in float32 (refine_top)
+        self.head = head and not w.is_cuda
+        self.scale_f = scale if self.a8 or self.head else None
         self.packed = _prepack(self.q) if self.a8 else None
         if self.packed is not None:   # the GEMM's own scales stay 1: its float32 output is
             n = self.q.shape[0]       # the exact int32 sum, scaled after as before
@@ -83,6 +89,15 @@ class Int8Weight:
         return self.q.numel() + self.scale.numel() * self.scale.element_size()
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.raw_mm(x)
+        return refine_top(out.float(), x, self.rows) if self.head else out
+
+    def rows(self, idx: torch.Tensor) -> torch.Tensor:
+        """The weight's rows idx (any shape) in float32: [*idx.shape, in_features]."""
+        return self.q[idx].float() * self.scale_f[idx].unsqueeze(-1)
+
+    def raw_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ w.T in the kernels' own precision (a head's: before refine_top)."""
         if x.is_cuda:  # no fused kernel relied on: dequantize on the fly (unverified path)
             return F.linear(x, self.q.to(x.dtype)) * self.scale.to(x.dtype)
         if self.a8 and x.shape[0] >= A8_MIN_ROWS:
@@ -100,15 +115,33 @@ class Int8Weight:
         the same bits either way)."""
         if self.packed is None:
             xq, sx = quant_rows(x, inv)
-            return dequant_rows(torch._int_mm(xq, self.q.T), sx, self.scale_f, x.dtype)
+            return dequant_rows(int_mm(xq, self.q), sx, self.scale_f, x.dtype)
         xu, sx = quant_rows(x, inv, u8=True)
         acc = torch.ops.onednn.qlinear_pointwise(xu, 1.0, 128, self.packed, self._ones,
                                                  self._zps, None, 1.0, 0, torch.float32,
-                                                 "none", [], "")
+                                                 "none", [], "")   # as _qlinear
         return dequant_rows(acc, sx, self.scale_f, x.dtype)
 
     def dequantize(self) -> torch.Tensor:
         return (self.q.float() * self.scale.float()[:, None]).to(self.scale.dtype)
+
+
+REFINE_TOP = 16
+
+
+def refine_top(out: torch.Tensor, x: torch.Tensor, rows, k: int = REFINE_TOP) -> torch.Tensor:
+    """The LM head's logits out (float32, [M, V]), each row's k largest computed again in
+    float32 from the int8 weight (rows(idx): its rows idx in float32), in place.
+
+    A bfloat16 model's head, and a float32 one's on torch's int8 kernel (bfloat16
+    activations, no AVX-512), gives logits in steps of 0.125 at 16-32, and the greedy token
+    was chosen between rounded values, ties included: SmolLM2's first answer token, "The"
+    at 25.54 and "L" at 25.35, both came out 25.375 in the mesh, and the tie went to "L"
+    ("L'Étoile..." instead of "Paris"). The candidates are picked on the rounded values
+    (what rounding moves stays far within the 16th); each is a sum over the hidden size
+    alone, whatever the batch."""
+    idx = out.topk(min(k, out.shape[-1]), dim=-1).indices                     # [M, k]
+    return out.scatter_(-1, idx, (rows(idx) * x.float().unsqueeze(1)).sum(-1))
 
 
 def _prepack(q: torch.Tensor):
@@ -117,12 +150,61 @@ def _prepack(q: torch.Tensor):
     re-blocks the weight on every call: with the weights out of cache, the prepacked GEMM
     of SmolLM2's gate|up at 16 rows is 166 us against 325 (same int32 sums).
     PDMESH_NO_PREPACK=1 keeps _int_mm (A/B runs)."""
-    if os.environ.get("PDMESH_NO_PREPACK") == "1":
+    if os.environ.get("PDMESH_NO_PREPACK") == "1" or not qlinear_exact():
         return None
+    return _qlinear_prepack(q)
+
+
+def _qlinear_prepack(q: torch.Tensor):
     try:
         return torch.ops.onednn.qlinear_prepack(q, [A8_MIN_ROWS * 4, q.shape[1]])
     except (RuntimeError, AttributeError):
         return None
+
+
+def _qlinear(xu: torch.Tensor, packed, n: int) -> torch.Tensor:
+    """The u8s8 GEMM's exact int32 sums as float32 (scales 1, zero point 128)."""
+    return torch.ops.onednn.qlinear_pointwise(xu, 1.0, 128, packed, torch.ones(n),
+                                              torch.zeros(n, dtype=torch.long), None, 1.0,
+                                              0, torch.float32, "none", [], "")
+
+
+@functools.cache
+def qlinear_exact() -> bool:
+    """Whether oneDNN's prepacked u8s8 qlinear sums exactly here. With VNNI or AMX it does;
+    on AVX2 alone (an AMD EPYC, seen here) it multiplies with vpmaddubsw, whose pairs of
+    u8 x s8 products saturate at int16: sums off by up to 16,408 in 64 products, and the
+    W8A8 model's output garbage. Decided once per process on the worst case (activations
+    255, weights 127); where it fails, int_mm's float32 GEMMs serve (exact, slower than
+    the weight-only kernels)."""
+    k, n = 64, 8
+    packed = _qlinear_prepack(torch.full((n, k), 127, dtype=torch.int8))
+    if packed is None:
+        return False
+    xu = torch.full((A8_MIN_ROWS, k), 255, dtype=torch.uint8)
+    exact = torch.equal(_qlinear(xu, packed, n), torch.full((A8_MIN_ROWS, n), 127.0 * 127 * k))
+    if not exact:
+        log.warning("this CPU's oneDNN int8 GEMM saturates (no VNNI/AMX): W8A8 (act_int8) "
+                    "runs on float32 GEMMs, exact but slower than the weight-only kernels")
+    return exact
+
+
+EXACT_K = 1024    # 127 * 127 * 1024 < 2**24: a float32 sum of that many products is exact
+
+
+def int_mm(xq: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """xq [M, K] @ q [N, K].T, int8 -> the exact int32 sums. torch._int_mm where oneDNN has
+    int8 dot products (VNNI); elsewhere it is a slow loop, and float32 GEMMs over
+    EXACT_K-wide slices, each exact whatever the order of its additions, give the same sums
+    (AVX2, one thread: SmolLM2's down at 512 rows 15 ms against 454; gate|up at 16 rows 25
+    against 28, converting the weight dominates)."""
+    if qlinear_exact():
+        return torch._int_mm(xq, q.T)
+    acc = None
+    for k0 in range(0, xq.shape[1], EXACT_K):
+        part = (xq[:, k0:k0 + EXACT_K].float() @ q[:, k0:k0 + EXACT_K].float().T).to(torch.int32)
+        acc = part if acc is None else acc.add_(part)
+    return acc
 
 
 def int4_codes(w: torch.Tensor, group: int = INT4_GROUP):
@@ -233,7 +315,7 @@ def quantize_weight(w: torch.Tensor, mode: str, head: bool = False, a8: bool = F
     if mode == "":
         return w
     if mode == "int8" or head:
-        return Int8Weight(w, a8=a8)
+        return Int8Weight(w, a8=a8, head=head)
     if mode == "int4":
         return (Int4Weight(w, a8=a8) if w.shape[1] % INT4_GROUP == 0
                 else Int8Weight(w, a8=a8))
