@@ -15,6 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from .quant import refine_top
+
 PARALLEL_ROWS = 2
 
 
@@ -38,10 +40,21 @@ class SplitHead:
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         a, b = self.halves
+        head = getattr(a, "head", False)    # (refined as one head: the same logits)
+        ma, mb = (a.raw_mm, b.raw_mm) if head else (a.mm, b.mm)
         if x.shape[0] <= PARALLEL_ROWS and not x.is_cuda:
-            other = self.pool.submit(b.mm, x)
-            return torch.cat([a.mm(x), other.result()], dim=1)
-        return torch.cat([a.mm(x), b.mm(x)], dim=1)
+            other = self.pool.submit(mb, x)
+            out = torch.cat([ma(x), other.result()], dim=1)
+        else:
+            out = torch.cat([ma(x), mb(x)], dim=1)
+        return refine_top(out.float(), x, self.rows) if head else out
+
+    def rows(self, idx: torch.Tensor) -> torch.Tensor:
+        a, b = self.halves
+        h = a.shape[0]
+        lo = idx < h
+        return torch.where(lo.unsqueeze(-1), a.rows(idx.clamp(max=h - 1)),
+                           b.rows((idx - h).clamp(min=0)))
 
     def dequantize(self) -> torch.Tensor:
         return torch.cat([x.dequantize() for x in self.halves])
