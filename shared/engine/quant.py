@@ -117,9 +117,7 @@ class Int8Weight:
             xq, sx = quant_rows(x, inv)
             return dequant_rows(int_mm(xq, self.q), sx, self.scale_f, x.dtype)
         xu, sx = quant_rows(x, inv, u8=True)
-        acc = torch.ops.onednn.qlinear_pointwise(xu, 1.0, 128, self.packed, self._ones,
-                                                 self._zps, None, 1.0, 0, torch.float32,
-                                                 "none", [], "")   # as _qlinear
+        acc = _qlinear(xu, self.packed, self._ones, self._zps)
         return dequant_rows(acc, sx, self.scale_f, x.dtype)
 
     def dequantize(self) -> torch.Tensor:
@@ -162,11 +160,10 @@ def _qlinear_prepack(q: torch.Tensor):
         return None
 
 
-def _qlinear(xu: torch.Tensor, packed, n: int) -> torch.Tensor:
-    """The u8s8 GEMM's exact int32 sums as float32 (scales 1, zero point 128)."""
-    return torch.ops.onednn.qlinear_pointwise(xu, 1.0, 128, packed, torch.ones(n),
-                                              torch.zeros(n, dtype=torch.long), None, 1.0,
-                                              0, torch.float32, "none", [], "")
+def _qlinear(xu: torch.Tensor, packed, ones: torch.Tensor, zps: torch.Tensor) -> torch.Tensor:
+    """The u8s8 GEMM's int32 sums as float32 (weight scales `ones`, zero point 128)."""
+    return torch.ops.onednn.qlinear_pointwise(xu, 1.0, 128, packed, ones, zps, None, 1.0, 0,
+                                              torch.float32, "none", [], "")
 
 
 @functools.cache
@@ -182,7 +179,8 @@ def qlinear_exact() -> bool:
     if packed is None:
         return False
     xu = torch.full((A8_MIN_ROWS, k), 255, dtype=torch.uint8)
-    exact = torch.equal(_qlinear(xu, packed, n), torch.full((A8_MIN_ROWS, n), 127.0 * 127 * k))
+    sums = _qlinear(xu, packed, torch.ones(n), torch.zeros(n, dtype=torch.long))
+    exact = torch.equal(sums, torch.full((A8_MIN_ROWS, n), 127.0 * 127 * k))
     if not exact:
         log.warning("this CPU's oneDNN int8 GEMM saturates (no VNNI/AMX): W8A8 (act_int8) "
                     "runs on float32 GEMMs, exact but slower than the weight-only kernels")
