@@ -139,13 +139,29 @@ def test_a_loop_fires_repetition_once_its_window_is_one_span_repeated():
 
 def test_repetitive_but_not_looping_text_is_quiet():
     """Code repeats itself (a table of similar lines) without one span repeating: a line
-    that differs anywhere (a counter) breaks the period, and spans longer than
-    repeat_max_period do not count."""
+    that differs anywhere (a counter) breaks the period, spans longer than
+    repeat_max_period do not count, and a long span twice is a quote, not a loop."""
     mon = AnomalyMonitor(MonitorConfig(spec_rules=False))
     rows = [t for i in range(60) for t in (11, 12, 13, 1000 + i, 14)]      # x[i] = i rows
-    long_span = list(range(200, 240)) * 6                                    # 40-token span
+    long_span = list(range(200, 270)) * 6                                    # 70-token span
+    twice = list(range(300, 360)) * 2 + list(range(400, 500))               # 60 tokens twice
     assert not any(mon.observe_tokens("code", [t]) for t in rows)
     assert not any(mon.observe_tokens("long", [t]) for t in long_span)
+    assert not any(mon.observe_tokens("twice", [t]) for t in twice)
+
+
+@pytest.mark.parametrize("period", [38, 50, 64])
+def test_a_sentence_loop_fires_once_it_repeats_three_times(period):
+    """The default model's own loop at temperature 0.2 ("L'Etoile est le 21e de l'Etoile,
+    la Marseillaise, la Cité, la Cité, la Bohème.\n\n" again and again: 38 tokens) ran
+    to the 512-token cap while the rule judged spans of 32 tokens at most. A sentence
+    fires once it fills the window (128 tokens) and repeats three times."""
+    mon = AnomalyMonitor(MonitorConfig(spec_rules=False))
+    text = list(range(100, 160))
+    loop = list(range(1000, 1000 + period)) * 8
+    fired = [(i, r) for i, t in enumerate(text + loop) if (r := mon.observe_tokens("a", [t]))]
+    assert fired == [(len(text) + max(128, 3 * period) - 1, Rule.REPETITION)]
+    assert mon.stats("a").period == period
     off = AnomalyMonitor(MonitorConfig(repeat_window=0))
     assert not any(off.observe_tokens("a", [7]) for _ in range(300))
 

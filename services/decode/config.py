@@ -81,8 +81,11 @@ class DecodeConfig:
     monitor_repeat_window: int = field(default=128, metadata={
         "help": "repetition: the last this many generated tokens one span repeated "
                 "(0: the rule off)"})
-    monitor_repeat_max_period: int = field(default=32, metadata={
+    monitor_repeat_max_period: int = field(default=64, metadata={
         "help": "repetition: the longest span (tokens) whose repeats count as a loop"})
+    monitor_repeat_min_copies: int = field(default=3, metadata={
+        "help": "repetition: how many times a span repeats at least to count as a loop (a "
+                "span longer than window / copies is judged over copies x its length)"})
     monitor_accept_length_low: float = field(default=0.0, metadata={
         "help": "low_accept_length: mean accept length (accepted + steps) / steps below this "
                 "(0: the draft folder's monitor.json calibration, else 1.4)"})
@@ -130,4 +133,5 @@ class DecodeConfig:
                              # not the state: only a draft model's acceptance is judged
                              spec_rules=bool(self.engine.draft_model) and self.engine.speculative,
                              repeat_window=self.monitor_repeat_window,
-                             repeat_max_period=self.monitor_repeat_max_period)
+                             repeat_max_period=self.monitor_repeat_max_period,
+                             repeat_min_copies=self.monitor_repeat_min_copies)

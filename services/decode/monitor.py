@@ -14,11 +14,14 @@ Rules (each request fires at most once, the first rule that holds):
                         short clean outputs (a few steps that all happen to match) quiet; its
                         default, 128, matches min_tokens_low.
 
-    repetition          the last repeat_window generated tokens are one span of at most
-                        repeat_max_period tokens over and over (each token equals the
-                        one a period before it): a degenerate loop ("la femme, la femme,
-                        ..."), whatever drafts or does not. Judged from the tokens, so it
-                        holds with speculation off too.
+    repetition          the last generated tokens are one span of p <= repeat_max_period
+                        tokens over and over (each token equals the one p before it),
+                        judged over the last max(repeat_window, repeat_min_copies * p)
+                        tokens: a degenerate loop, a phrase ("la femme, la femme, ...")
+                        or a sentence (38 tokens of "L'Etoile est le 21e de l'Etoile, la
+                        Marseillaise, la Cité, la Cité, la Bohème." again and again),
+                        whatever drafts or does not. Judged from the tokens, so it holds
+                        with speculation off too.
 
 A step that proposed nothing is not a verification step: it updates generated_total only.
 The speculative rules (the first two) apply only while speculating (spec_rules).
@@ -46,8 +49,9 @@ class MonitorConfig:
     min_proposed_high: int = 128      # high_accept_rate: proposed drafts first (at least)
     enabled: bool = True
     spec_rules: bool = True           # the acceptance rules (only while speculating)
-    repeat_window: int = 128          # repetition: tokens judged (0: the rule off)
-    repeat_max_period: int = 32       # repetition: the longest span that may repeat
+    repeat_window: int = 128          # repetition: tokens judged at least (0: the rule off)
+    repeat_max_period: int = 64       # repetition: the longest span that may repeat
+    repeat_min_copies: int = 3        # repetition: a span repeats this often at least
 
     def __post_init__(self):
         if self.min_tokens_low < 0 or self.min_proposed_high < 1:
@@ -59,9 +63,13 @@ class MonitorConfig:
             raise ValueError(f"accept_rate_high must be in (0, 1], got {self.accept_rate_high}")
         if self.repeat_window < 0 or not 1 <= self.repeat_max_period:
             raise ValueError("repeat_window must be >= 0 and repeat_max_period >= 1")
-        if self.repeat_window and self.repeat_window < 2 * self.repeat_max_period:
-            raise ValueError("repeat_window must be at least twice repeat_max_period (a span "
-                             "repeats at least twice in it)")
+        if self.repeat_min_copies < 2:
+            raise ValueError("repeat_min_copies must be >= 2 (a span once is not a loop)")
+
+    @property
+    def repeat_tail(self) -> int:
+        """The generated tokens the repetition rule keeps: the longest span it judges."""
+        return max(self.repeat_window, self.repeat_min_copies * self.repeat_max_period)
 
 
 @dataclass(slots=True)
@@ -134,10 +142,12 @@ class AnomalyMonitor:
         st = self._stats.setdefault(request_id, RequestSpecStats())
         if st.fired is not None:
             return None
-        st.tail = (st.tail + list(new_ids))[-c.repeat_window:]
+        st.tail.extend(new_ids)
+        del st.tail[:-c.repeat_tail]
         if len(st.tail) < c.repeat_window:
             return None
-        st.period = loop_period(st.tail, c.repeat_max_period)
+        st.period = loop_period(st.tail, c.repeat_max_period, c.repeat_window,
+                                c.repeat_min_copies)
         if st.period:
             st.fired = Rule.REPETITION
             self.counts[st.fired] += 1
@@ -170,12 +180,17 @@ class AnomalyMonitor:
         return None
 
 
-def loop_period(tail: list[int], max_period: int) -> int:
-    """The shortest p <= max_period with tail[i] == tail[i - p] for every i >= p (the
-    whole tail one span repeated), or 0."""
-    n = len(tail)
-    for p in range(1, min(max_period, n // 2) + 1):
-        # from the end: a tail that is not a loop differs near its end, so this stops early
-        if all(tail[i] == tail[i - p] for i in range(n - 1, p - 1, -1)):
+def loop_period(tail: list[int], max_period: int, window: int, copies: int) -> int:
+    """The shortest p <= max_period whose last max(window, copies * p) tokens of tail are
+    one span of p repeated (tail[i] == tail[i - p] over them), or 0."""
+    n, last = len(tail), tail[-1]
+    for p in range(1, max_period + 1):
+        judged = max(window, copies * p)
+        if judged > n:
+            break
+        # from the end: a tail that is not a loop differs near its end (most often at
+        # once: the cheap test first, no generator per period)
+        if tail[n - 1 - p] == last and all(tail[i] == tail[i - p]
+                                          for i in range(n - 2, n - judged + p - 1, -1)):
             return p
     return 0
