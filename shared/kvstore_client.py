@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 
 from shared import subjects, tracing
@@ -23,6 +24,7 @@ from shared.contracts.kvcache import (
     KvPutAck,
 )
 from shared.kv import wire
+from shared.kv.silence import Silence
 from shared.service import decode_reply
 
 log = logging.getLogger("pdmesh.kvcache")
@@ -38,12 +40,27 @@ class KvstoreClient:
         self.window = window
         self.counters = {"kv_lookups": 0, "kv_lookup_errors": 0, "kv_loads": 0,
                          "kv_load_failures": 0, "kv_load_checksum_failures": 0,
-                         "kv_loaded_bytes": 0, "kv_put_blocks": 0, "kv_put_errors": 0}
+                         "kv_loaded_bytes": 0, "kv_put_blocks": 0, "kv_put_errors": 0,
+                         "kv_lookups_skipped": 0, "kv_puts_skipped": 0}
         self.puts: set[asyncio.Task] = set()
+        self.silence = Silence()      # lookups timed out: skip them (and write-backs) a while
+
+    async def follow_heartbeats(self) -> None:
+        """kvstore's heartbeat ends a silence at once: restarted or thawed, it is asked
+        again within a second instead of at the next probe (before, the write-backs
+        skipped meanwhile left a restarted kvstore empty)."""
+        async def heard(_msg) -> None:
+            if self.silence.silent:
+                log.info("kvstore heartbeats again: lookups and write-backs go to it")
+                self.silence.answered()
+        await self.nc.subscribe(subjects.heartbeat("kvstore"), cb=heard)
 
     async def lookup(self, keys: list[bytes]) -> int:
-        """Leading keys kvstore holds; 0 when it is absent or slow."""
+        """Leading keys kvstore holds; 0 when it is absent or slow (silent: at once)."""
         if not keys:
+            return 0
+        if not self.silence.may_ask(time.monotonic()):
+            self.counters["kv_lookups_skipped"] += 1
             return 0
         self.counters["kv_lookups"] += 1
         try:
@@ -51,8 +68,24 @@ class KvstoreClient:
                 msg = await self.nc.request(subjects.kvstore_lookup(),
                                             encode(KvLookup(keys=[k.hex() for k in keys])),
                                             timeout=self.timeout_s)
-            return decode_reply(msg.data, msg.headers, LOOKUP_REPLY).hits
+        except asyncio.TimeoutError:
+            if not self.silence.silent:
+                log.warning("kvstore did not answer a lookup within %gs: lookups miss at "
+                            "once while it is silent (one probe every %gs)", self.timeout_s,
+                            self.silence.probe_s)
+            self.silence.timed_out(time.monotonic())
+            self.counters["kv_lookup_errors"] += 1
+            return 0
         except Exception as e:  # noqa: BLE001 - no kvstore: a miss
+            self.counters["kv_lookup_errors"] += 1
+            log.debug("kvstore lookup failed: %r", e)
+            return 0
+        if self.silence.silent:
+            log.info("kvstore answers lookups again")
+        self.silence.answered()
+        try:
+            return decode_reply(msg.data, msg.headers, LOOKUP_REPLY).hits
+        except Exception as e:  # noqa: BLE001 - an error reply: a miss
             self.counters["kv_lookup_errors"] += 1
             log.debug("kvstore lookup failed: %r", e)
             return 0
@@ -129,6 +162,9 @@ class KvstoreClient:
         """Copy these complete blocks now (the caller still holds them) and send them to
         kvstore in the background; the request never waits for it."""
         if not blocks:
+            return
+        if self.silence.silent:       # would wait out its timeout, its snapshot held
+            self.counters["kv_puts_skipped"] += 1
             return
         snap = engine.port.snapshot(blocks, wire.snapshot_blocks)   # each block's layers in order
         task = asyncio.ensure_future(self._put(snap, keys))

@@ -180,7 +180,7 @@ GRANTS: tuple[Grant, ...] = (
     Grant("heartbeat", ("gateway",), pub=("gateway",), sub=("decode",)),
     Grant("heartbeat", ("decode",), pub=("decode",), sub=("prefill",)),   # shm: same host?
     Grant("heartbeat", ("prefill",), pub=("prefill",), sub=("decode",)),
-    Grant("heartbeat", ("kvstore",), pub=("kvstore",)),
+    Grant("heartbeat", ("kvstore",), pub=("kvstore",), sub=("decode", "prefill")),  # silence
     Grant("heartbeats_all", sub=("gateway",)),
     Grant("request_anomaly", pub=("decode",)),
 )

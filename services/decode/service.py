@@ -124,6 +124,7 @@ class DecodeService:
         await wait_stream(js)                    # the admin provisions it
         self.connect(NatsDecodePeers(nc, js))
         self.kvc = KvstoreClient(nc, self.cfg.kvstore_timeout_s)
+        await self.kvc.follow_heartbeats()
         if self.cfg.kvstore:
             self.writeback = WriteBack(self.cfg.write_policy, self.kvc)
         ep = self.rt.endpoint

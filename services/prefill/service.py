@@ -107,6 +107,7 @@ class PrefillService:
             size_bytes=self.cfg.kv_shm_mb << 20, enabled=self.cfg.kv_shm)
         self.connect(NatsPrefillPeers(nc), kv,
                      inject.kvstore_client(nc, self.cfg.kvstore_timeout_s, self.cfg.faults))
+        await self.kvc.follow_heartbeats()
         await self.rt.endpoint("reclaim", subjects.prefill_reclaim(self.iid),
                                self.reclaims.on_reclaim, None, raw=True)
         self.rt.spawn(self.fetch_loop())

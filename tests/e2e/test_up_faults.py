@@ -169,10 +169,13 @@ def test_a_frozen_kvstore_costs_no_request(up, alone, tiny_prompts):
     PD submission's cache lookup then waits kvstore_timeout_s (2 s) for nothing. Decode took
     submissions one at a time, so a burst's waits added up past the gateway's
     submit_timeout_s (5 s): 16 concurrent requests, 8 per decode, and all but the first
-    two of each failed 503 no_decode_instance. Each waits on its own now."""
+    two of each failed 503 no_decode_instance. Each waits on its own now, and after the
+    first timeouts the lookups miss at once (a probe every 5 s) until kvstore answers."""
     m, _ = up
     # 16 prompts of 272 tokens: one whole chunk each (deterministic mode looks up no less)
     prompts = [(p * 300)[:272] for p in tiny_prompts[:16]]
+    refs = references(alone, prompts, MAX_TOKENS)
+    before = run(up, _lookups(m))
     pid = m.pid("kvstore-0")
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -180,8 +183,34 @@ def test_a_frozen_kvstore_costs_no_request(up, alone, tiny_prompts):
         run(up, load.run(32))
     finally:
         os.kill(pid, signal.SIGCONT)
-    check(load, references(alone, prompts, MAX_TOKENS), m)
+    check(load, refs, m)
     assert m.pid("kvstore-0") == pid                 # frozen, not taken for dead
+    # silent after the first timeouts: most lookups were skipped, not waited out
+    frozen = run(up, _lookups(m))
+    assert frozen["kv_lookups_skipped"] > before["kv_lookups_skipped"]
+
+    async def answered_again() -> Load:  # thawed: a probe gets its answer, lookups go on
+        for _ in range(60):
+            again = Load(m.url, prompts, "tiny-target", MAX_TOKENS)
+            await again.run(2)
+            now = await _lookups(m)
+            if now["kv_lookups"] - now["kv_lookup_errors"] > (
+                    frozen["kv_lookups"] - frozen["kv_lookup_errors"]):
+                return again
+            await asyncio.sleep(0.5)
+        raise AssertionError(f"no lookup answered after the thaw: {now}")
+    check(run(up, answered_again()), refs, m, n=2)
+
+
+async def _lookups(m: UpMesh) -> dict[str, int]:
+    """Decode's kvstore lookup counters, summed over its instances."""
+    nc = await m.nats()
+    try:
+        found = await micro.stats(nc, "decode", 0.5)
+    finally:
+        await nc.close()
+    keys = ("kv_lookups", "kv_lookup_errors", "kv_lookups_skipped")
+    return {k: sum(i.stats.get(k, 0) for i in found) for k in keys}
 
 
 def test_status_finds_the_mesh_with_no_flags_and_no_secret_is_shown(up):
