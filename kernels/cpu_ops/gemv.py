@@ -28,7 +28,8 @@ def gemv_ready() -> bool:
 
 
 def int8_gemv_ready() -> bool:
-    """Whether int8_gemv runs here (built with AVX-512); else torch's int8 kernel serves."""
+    """Whether int8_gemv runs here (built with AVX-512, or AVX2 and FMA); else torch's
+    int8 kernel serves."""
     mod = _mod()
     return mod is not None and mod.int8_simd()
 

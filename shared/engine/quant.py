@@ -3,7 +3,9 @@
   int8   per output channel, symmetric: w ~= q * scale, q in [-127, 127]; the matmul is
          kernels/cpu_ops/int8_gemv.cpp up to 2 rows on an AVX-512 CPU (the LM head of a
          decode step at 1.3-1.4x), batch_gemm.cpp's int8_gemm from 3 rows with AVX512-BF16
-         (a decode batch's head: 2.7x at 16 rows), torch's `_weight_int8pack_mm` otherwise
+         (a decode batch's head: 2.7x at 16 rows); on a CPU with AVX2 alone int8_gemv at
+         every row count (SmolLM2's head 2.3x at 1 row, 1.3-1.7x at 4-16:
+         docs/bench/int8_head_avx2.json); torch's `_weight_int8pack_mm` otherwise
          (activations stay in the model dtype).
   int4   groups of `group_size` input channels (32, as the GGUF's Q4_1), asymmetric:
          w ~= (q - 8) * scale + zero, q in [0, 15]; on a CPU with AVX512-BF16,
@@ -102,7 +104,9 @@ class Int8Weight:
             return F.linear(x, self.q.to(x.dtype)) * self.scale.to(x.dtype)
         if self.a8 and x.shape[0] >= A8_MIN_ROWS:
             return self.mm_a8(x)
-        if self.gemv and x.shape[0] <= INT8_GEMV_MAX_ROWS:
+        # no int8_gemm (AVX2 builds): int8_gemv at any row count (as fast as torch's
+        # kernel at 16 rows, 1.7-2x at 1-4; one kernel, so a row's bits at any batch)
+        if self.gemv and (x.shape[0] <= INT8_GEMV_MAX_ROWS or not self.batch):
             return int8_gemv(x, self.q, self.scale)
         if self.batch:
             return int8_gemm(x, self.q, self.scale)
