@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from pdmesh.bench.alternate import alternate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,17 +113,9 @@ def main() -> int:
     if args.child:
         print(json.dumps(child(args.model, args.tokens)))
         return 0
-    runs: dict[str, list[dict]] = {name: [] for name in CONFIGS}
-    for r in range(args.rounds):
-        for name, env in CONFIGS.items():
-            log(f"round {r + 1}/{args.rounds}: {name}")
-            p = subprocess.run([sys.executable, __file__, "--child", "--model", args.model,
-                                "--tokens", str(args.tokens)], env={**os.environ, **env},
-                               capture_output=True, text=True, check=True)
-            got = json.loads(p.stdout.strip().splitlines()[-1])
-            runs[name].append(got)
-            log("  " + ", ".join(f"c={c} {got[str(c)]['tokens_per_s']:.1f} tok/s"
-                                 for c in LEVELS))
+    runs = alternate(__file__, ["--model", args.model, "--tokens", str(args.tokens)], CONFIGS,
+                     args.rounds, log, lambda got: ", ".join(
+                         f"c={c} {got[str(c)]['tokens_per_s']:.1f} tok/s" for c in LEVELS))
     ref = runs["torch"][0]
     same = {name: agreement([run[str(c)]["tokens"] for run in rs for c in LEVELS],
                             [ref[str(c)]["tokens"] for _ in rs for c in LEVELS])

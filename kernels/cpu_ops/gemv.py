@@ -21,8 +21,8 @@ GROUP = 32
 
 
 def gemv_ready() -> bool:
-    """Whether int4_gemv runs here (built with AVX512-BF16); else torch's int4 kernel
-    serves the int4 weights (also with PDMESH_CPU_GEMV=0: A/B runs)."""
+    """Whether int4_gemv runs here (built with AVX512-BF16, or AVX2 and FMA); else torch's
+    int4 kernel serves the int4 weights (also with PDMESH_CPU_GEMV=0: A/B runs)."""
     mod = _mod()
     return mod is not None and mod.int4_simd()
 
@@ -114,13 +114,15 @@ def int4_dequant(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
 _scratch = threading.local()
 
 
-def scratch(numel: int) -> torch.Tensor:
-    """This thread's bfloat16 buffer of at least numel elements, kept from call to call: the
-    dequantized weight of one GEMM at a time lives there (a fresh multi-MB tensor per call
-    costs its page faults again each time)."""
-    buf = getattr(_scratch, "buf", None)
+def scratch(numel: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """This thread's buffer of at least numel elements of dtype, kept from call to call:
+    the dequantized weight of one GEMM at a time lives there (a fresh multi-MB tensor per
+    call costs its page faults again each time)."""
+    name = f"buf_{dtype}"
+    buf = getattr(_scratch, name, None)
     if buf is None or buf.numel() < numel:
-        buf = _scratch.buf = torch.empty(numel, dtype=torch.bfloat16)
+        buf = torch.empty(numel, dtype=dtype)
+        setattr(_scratch, name, buf)
     return buf
 
 
@@ -130,6 +132,11 @@ GEMV_MAX_ROWS = 8   # int4: a verify of up to 7 drafts gets a decode step's bits
 #                     9: 504 / 335 / 520; 16: 797 / 419 / 592; 32: 1484 / 770 / 858;
 #                     64: 3034 / 1419 / 1616
 GEMM_MAX_ROWS = 64  # int4: from here on (prefill) oneDNN's blocking wins
+AVX2_GEMV_MAX_ROWS = 32   # int4 on AVX2 (no int4_gemm): more rows go to torch's float32
+#                           GEMM on the dequantized weight. One core, AMD EPYC (int4_gemv /
+#                           dequantize + float32 GEMM, ms): gate|up 16 rows 1.56 / 3.27,
+#                           32: 3.33 / 5.05, 64: 8.86 / 7.31; down 16: 0.81 / 0.99,
+#                           32: 1.68 / 1.51, 64: 3.38 / 2.45
 INT8_GEMV_MAX_ROWS = 2   # int8 (the LM head): more rows go to int8_gemm. SmolLM2's half
 #                          head, one core (int8_gemv / int8_gemm / torch's int8 kernel, us):
 #                          2 rows 1737 / 2057 / 2624; 3: 3286 / 2025 / 2865; 8: 7278 /
@@ -156,11 +163,16 @@ class Int4Packed:
         return self.codes.numel() + 2 * self.scale.numel() * self.scale.element_size()
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= GEMV_MAX_ROWS:
+        rows, bf16 = x.shape[0], batch_ready()    # batch_ready: AVX512-BF16; else AVX2
+        if rows <= (GEMV_MAX_ROWS if bf16 else AVX2_GEMV_MAX_ROWS):
             return int4_gemv(x, self.codes, self.scale, self.zero)
-        if x.shape[0] <= GEMM_MAX_ROWS and batch_ready():
+        if rows <= GEMM_MAX_ROWS and bf16:
             return int4_gemm(x, self.codes, self.scale, self.zero)
         n, half = self.codes.shape
+        if not bf16:   # AVX2: torch's bfloat16 GEMM is 7x its float32 one there (same values)
+            w = int4_dequant(self.codes, self.scale, self.zero,
+                             scratch(n * half * 2, torch.float32))
+            return torch.nn.functional.linear(x.to(torch.bfloat16).float(), w).to(x.dtype)
         w = int4_dequant(self.codes, self.scale, self.zero, scratch(n * half * 2))
         return torch.nn.functional.linear(x.to(torch.bfloat16), w).to(x.dtype)
 

@@ -13,8 +13,10 @@
 // bfloat16 pairs with float32 sums (AVX512-BF16 vdpbf16ps), x rounded to bfloat16 first as
 // torch's int4 kernel rounds it. A row's result is the same bits whatever the other rows
 // of x (each row is summed alone, in one order): a speculative verify sees what a decode
-// step would. Built without AVX512-BF16 (another -march), int4_simd() is false and the
-// Python side keeps torch's int4 kernel.
+// step would. On a CPU with AVX2 alone (AMD Zen 2/3: this project's CI machines) the same
+// walk on 8 float32 lanes (below), and int4_dequant writes float32 too (torch's bfloat16
+// GEMM is slow there). Built with neither, int4_simd() is false and the Python side keeps
+// torch's int4 kernel.
 #include "aten.h"
 #include <immintrin.h>
 #include <cstdint>
@@ -126,6 +128,87 @@ void rows_simd(const uint8_t* wq, const uint16_t* sc, const uint16_t* ze, int64_
     tile<nr, mr>(wq + n * ng * 16, sc + n * ng, ze + n * ng, ng, xr, sr, o);
   }, ldy);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 (no AVX-512: AMD Zen 2/3, older Intel), float32 FMAs on 8 lanes. x as float32 (its
+// bfloat16 values); each weight w = q * scale + (zero - 8 scale) per group, in float32 (one
+// FMA from the code), against x: one accumulator per group parity (the low and the high
+// nibbles). Each (r, m) pair runs the same instructions in the same order whatever NR and
+// MR are.
+constexpr bool kSimd = true;
+
+inline float hsum8(__m256 v) {   // one fixed tree
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+template <int NR, int MR>
+void tile(const uint8_t* wq, const uint16_t* sc, const uint16_t* ze, int64_t ng,
+          const float* const* xf, float* out) {
+  const __m256i lo4 = _mm256_set1_epi32(0x0F);
+  const int64_t rb = ng * 16;   // bytes of codes per weight row
+  __m256 acc[NR][MR][2];
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) acc[r][m][0] = acc[r][m][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < ng; g += 2) {   // a block: groups g (low nibbles) and g + 1 (high)
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* p = wq + r * rb + g * 16;
+      _mm_prefetch(reinterpret_cast<const char*>(p + PF_BYTES), _MM_HINT_T0);
+      const float f0 = bf16_float(sc[r * ng + g]), f1 = bf16_float(sc[r * ng + g + 1]);
+      const __m256 s0 = _mm256_set1_ps(f0), s1 = _mm256_set1_ps(f1);
+      const __m256 c0 = _mm256_set1_ps(bf16_float(ze[r * ng + g]) - 8.f * f0);
+      const __m256 c1 = _mm256_set1_ps(bf16_float(ze[r * ng + g + 1]) - 8.f * f1);
+      for (int c = 0; c < 4; ++c) {   // 8 inputs of each group a pass
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * c)));
+        const __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, lo4)), s0, c0);
+        const __m256 w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), s1, c1);
+        for (int m = 0; m < MR; ++m) {
+          const float* x = xf[m] + g * kGroup + 8 * c;
+          acc[r][m][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x), acc[r][m][0]);
+          acc[r][m][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + kGroup), acc[r][m][1]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) out[r * MR + m] = hsum8(_mm256_add_ps(acc[r][m][0], acc[r][m][1]));
+}
+
+void rows_simd(const uint8_t* wq, const uint16_t* sc, const uint16_t* ze, int64_t ng,
+               const float* xf, int64_t M, int64_t K, float* y, int64_t N, int64_t ldy) {
+  walk_tiles(M, N, y, [&](auto nr_, auto mr_, int64_t n, int64_t m0, float* o) {
+    constexpr int nr = decltype(nr_)::value, mr = decltype(mr_)::value;
+    const float* xr[mr];
+    for (int i = 0; i < mr; ++i) xr[i] = xf + (m0 + i) * K;
+    tile<nr, mr>(wq + n * ng * 16, sc + n * ng, ze + n * ng, ng, xr, o);
+  }, ldy);
+}
+
+// one weight row -> float32, each value (q - 8) * scale + zero rounded to bfloat16 (the
+// values int4_dequant's bfloat16 weight holds): prefill's float32 GEMM runs on it
+void dequant_row_f32(const uint8_t* wq, const uint16_t* sc, const uint16_t* ze, int64_t ng,
+                     float* out) {
+  const __m256i lo4 = _mm256_set1_epi32(0x0F), one = _mm256_set1_epi32(1);
+  const __m256i bias = _mm256_set1_epi32(0x7FFF), hi16 = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  auto round = [&](__m256 v) {   // to bfloat16, half to even (bf16_bits; no NaN here)
+    const __m256i b = _mm256_castps_si256(v);
+    const __m256i r = _mm256_add_epi32(_mm256_add_epi32(b, bias),
+                                       _mm256_and_si256(_mm256_srli_epi32(b, 16), one));
+    return _mm256_castsi256_ps(_mm256_and_si256(r, hi16));
+  };
+  for (int64_t g = 0; g < ng; g += 2) {
+    const __m256 s0 = _mm256_set1_ps(bf16_float(sc[g])), z0 = _mm256_set1_ps(bf16_float(ze[g]));
+    const __m256 s1 = _mm256_set1_ps(bf16_float(sc[g + 1])), z1 = _mm256_set1_ps(bf16_float(ze[g + 1]));
+    const __m256 eight = _mm256_set1_ps(8.f);
+    for (int c = 0; c < 4; ++c) {
+      const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wq + g * 16 + 8 * c)));
+      const __m256 q0 = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, lo4)), eight);
+      const __m256 q1 = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), eight);
+      _mm256_storeu_ps(out + g * kGroup + 8 * c, round(_mm256_add_ps(_mm256_mul_ps(q0, s0), z0)));
+      _mm256_storeu_ps(out + (g + 1) * kGroup + 8 * c, round(_mm256_add_ps(_mm256_mul_ps(q1, s1), z1)));
+    }
+  }
+}
 #else
 constexpr bool kSimd = false;
 #endif
@@ -159,8 +242,13 @@ void gemv_kernel(const T* x, int64_t M, int64_t K, const uint8_t* wq, const uint
   } else {
     rows_simd(wq, sc, ze, ng, xbp, xsp, M, K, out, N, N);
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  thread_local std::vector<float> xf;   // x's bfloat16 values as float32
+  xf.resize(M * K);
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = bf16_float(xb[i]);
+  rows_simd(wq, sc, ze, ng, xf.data(), M, K, out, N, N);
 #else
-  TORCH_CHECK(false, "int4_gemv: built without AVX512-BF16 (int4_simd() is false)");
+  TORCH_CHECK(false, "int4_gemv: built without AVX512-BF16 or AVX2 (int4_simd() is false)");
 #endif
   if constexpr (!std::is_same_v<T, float>)
     for (int64_t i = 0; i < M * N; ++i) y[i] = T(bf16_bits(out[i]), T::from_bits());
@@ -231,10 +319,12 @@ at::Tensor int4_dequant(const at::Tensor& codes, const at::Tensor& scale,
                     t->size(1) == ng, "int4_dequant: scale, zero [N, K/32] bfloat16");
   // into: a bfloat16 buffer of at least N * K elements to write to (a buffer kept across
   // calls saves the page faults of a fresh multi-MB allocation, ~0.2 ms on gate|up)
+  // (AVX2: into float32, the same values; bfloat16 GEMMs are slow there)
   at::Tensor w;
   if (into.has_value()) {
-    TORCH_CHECK(into->scalar_type() == at::kBFloat16 && into->is_contiguous() &&
-                    into->numel() >= N * K, "int4_dequant: into, bfloat16 of N * K or more");
+    TORCH_CHECK((into->scalar_type() == at::kBFloat16 || into->scalar_type() == at::kFloat) &&
+                    into->is_contiguous() && into->numel() >= N * K,
+                "int4_dequant: into, bfloat16 or float32 of N * K or more");
     w = into->view(-1).narrow(0, 0, N * K).view({N, K});
   } else {
     w = at::empty({N, K}, scale.options());
@@ -242,13 +332,29 @@ at::Tensor int4_dequant(const at::Tensor& codes, const at::Tensor& scale,
   const auto* wq = codes.data_ptr<uint8_t>();
   const auto* sc = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>());
   const auto* ze = reinterpret_cast<const uint16_t*>(zero.data_ptr<at::BFloat16>());
+  pybind11::gil_scoped_release_simple nogil;
+  if (w.scalar_type() == at::kFloat) {
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
+    float* outf = w.data_ptr<float>();
+    for (int64_t n = 0; n < N; ++n)
+      dequant_row_f32(wq + n * (K / 2), sc + n * ng, ze + n * ng, ng, outf + n * K);
+    return w;
+#else
+    TORCH_CHECK(false, "int4_dequant: float32 only on an AVX2 build");
+#endif
+  }
   auto* out = reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>());
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-  pybind11::gil_scoped_release_simple nogil;
   for (int64_t n = 0; n < N; ++n)
     dequant_row(wq + n * (K / 2), sc + n * ng, ze + n * ng, ng, out + n * K);
+#elif defined(__AVX2__) && defined(__FMA__)
+  std::vector<float> row(K);   // the float32 row's values are bfloat16 already: their bits
+  for (int64_t n = 0; n < N; ++n) {
+    dequant_row_f32(wq + n * (K / 2), sc + n * ng, ze + n * ng, ng, row.data());
+    for (int64_t k = 0; k < K; ++k) out[n * K + k] = bf16_bits(row[k]);
+  }
 #else
-  TORCH_CHECK(false, "int4_dequant: built without AVX512-BF16 (int4_simd() is false)");
+  TORCH_CHECK(false, "int4_dequant: built without AVX512-BF16 or AVX2 (int4_simd() is false)");
 #endif
   return w;
 }

@@ -4,15 +4,17 @@
          kernels/cpu_ops/int8_gemv.cpp up to 2 rows on an AVX-512 CPU (the LM head of a
          decode step at 1.3-1.4x), batch_gemm.cpp's int8_gemm from 3 rows with AVX512-BF16
          (a decode batch's head: 2.7x at 16 rows); on a CPU with AVX2 alone int8_gemv at
-         every row count (SmolLM2's head 2.3x at 1 row, 1.3-1.7x at 4-16:
-         docs/bench/int8_head_avx2.json); torch's `_weight_int8pack_mm` otherwise
+         every row count (SmolLM2's head 2.2x at 1 row, 1.2-1.8x at 4-16:
+         docs/bench/cpu_gemv_avx2.json); torch's `_weight_int8pack_mm` otherwise
          (activations stay in the model dtype).
   int4   groups of `group_size` input channels (32, as the GGUF's Q4_1), asymmetric:
          w ~= (q - 8) * scale + zero, q in [0, 15]; on a CPU with AVX512-BF16,
          kernels/cpu_ops/int4_gemv.cpp for up to 8 rows (a decode step at 1.4-1.7x torch's
          int4 kernel: the batch-1 matmul is bandwidth-bound), batch_gemm.cpp's int4_gemm
          for 9-64 rows (a decode batch: 1.4x the dequantize + GEMM below at 16 rows) and
-         torch's bfloat16 GEMM on the dequantized weight from there (prefill);
+         torch's bfloat16 GEMM on the dequantized weight from there (prefill); with AVX2
+         alone int4_gemv up to 32 rows and torch's float32 GEMM on the dequantized weight
+         from there (1.3-1.6x torch's int4 kernel at 1-64 rows, 2.1x at 256);
          elsewhere torch's
          `_weight_int4pack_mm_for_cpu` (`_weight_int4pack_mm` on CUDA). Q4_1 stores
          w = q * d + m per group of 32, which is this grid with scale = d, zero = m + 8d;

@@ -7,9 +7,12 @@ import pytest
 import torch
 
 from kernels.cpu_ops.gemv import (
+    AVX2_GEMV_MAX_ROWS,
+    GEMM_MAX_ROWS,
     GEMV_MAX_ROWS,
     INT8_GEMV_MAX_ROWS,
     Int4Packed,
+    batch_ready,
     gemv_pack,
     gemv_ready,
     gemv_unpack,
@@ -21,7 +24,7 @@ from kernels.cpu_ops.gemv import (
 )
 from shared.engine.quant import Int4Weight, Int8Weight, int4_codes
 
-needs_simd = pytest.mark.skipif(not gemv_ready(), reason="C++ ops without AVX512-BF16 here")
+needs_simd = pytest.mark.skipif(not gemv_ready(), reason="C++ ops without AVX512-BF16 or AVX2 here")
 needs_simd8 = pytest.mark.skipif(not int8_gemv_ready(), reason="C++ ops without AVX-512 or AVX2 here")
 SHAPES = [(960, 576), (577, 1536), (6, 64)]   # SmolLM2's qkv and down; tails of rows and groups
 
@@ -85,10 +88,29 @@ def test_int4_weight_runs_on_the_kernel_and_agrees_with_its_dequantized_weight()
     assert isinstance(lin.gemv, Int4Packed) and lin.packed is None
     wd = lin.dequantize().float()
     assert (wd - w).abs().max() < 0.02
-    for rows in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 64):
+    for rows in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, GEMM_MAX_ROWS, GEMM_MAX_ROWS + 1):
         x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
         ref = x.to(torch.bfloat16).float() @ wd.T
         assert torch.allclose(lin.mm(x), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item()), rows
+
+
+@needs_simd
+@pytest.mark.skipif(batch_ready(), reason="AVX2 builds only (no int4_gemm)")
+def test_on_avx2_a_decode_batch_row_is_its_decode_step_and_prefill_gets_the_same_weight():
+    """No int4_gemm there: int4_gemv up to AVX2_GEMV_MAX_ROWS rows, so a row of such a
+    batch is the bits of that row alone; more rows multiply float32 on int4_dequant's
+    values (the bfloat16 weight's)."""
+    w = torch.randn(96, 576, generator=torch.Generator().manual_seed(6)) * 0.05
+    lin = Int4Weight(w)
+    x = torch.randn(AVX2_GEMV_MAX_ROWS, 576, generator=torch.Generator().manual_seed(7))
+    alone = torch.cat([lin.mm(x[m:m + 1]) for m in range(AVX2_GEMV_MAX_ROWS)])
+    assert torch.equal(lin.mm(x), alone)
+    g = lin.gemv
+    f32 = int4_dequant(g.codes, g.scale, g.zero, torch.empty(96 * 576 + 5))
+    assert torch.equal(f32.to(torch.bfloat16), int4_dequant(g.codes, g.scale, g.zero))
+    assert torch.equal(f32, f32.to(torch.bfloat16).float())     # bfloat16 values
+    xp = torch.randn(AVX2_GEMV_MAX_ROWS + 1, 576, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(lin.mm(xp), xp.to(torch.bfloat16).float() @ f32.T)
 
 
 @needs_simd8
