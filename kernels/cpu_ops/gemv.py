@@ -150,10 +150,11 @@ class Int4Packed:
     at any row count in that range), on torch's bfloat16 GEMM over the dequantized weight
     from there (prefill).
     Activations as torch's int4 kernel takes them: bfloat16 (a float32 x is rounded)."""
-    __slots__ = ("codes", "scale", "zero")
+    __slots__ = ("codes", "scale", "zero", "bf16")
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
         """q [N, K] codes 0..15, scale and zero [N, K/32] (any float dtype)."""
+        self.bf16 = batch_ready()   # AVX512-BF16 (int4_gemm, bfloat16 GEMMs); else AVX2
         self.codes = gemv_pack(q)
         self.scale = scale.to(torch.bfloat16).contiguous()
         self.zero = zero.to(torch.bfloat16).contiguous()
@@ -163,18 +164,16 @@ class Int4Packed:
         return self.codes.numel() + 2 * self.scale.numel() * self.scale.element_size()
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        rows, bf16 = x.shape[0], batch_ready()    # batch_ready: AVX512-BF16; else AVX2
-        if rows <= (GEMV_MAX_ROWS if bf16 else AVX2_GEMV_MAX_ROWS):
+        rows = x.shape[0]
+        if rows <= (GEMV_MAX_ROWS if self.bf16 else AVX2_GEMV_MAX_ROWS):
             return int4_gemv(x, self.codes, self.scale, self.zero)
-        if rows <= GEMM_MAX_ROWS and bf16:
+        if rows <= GEMM_MAX_ROWS and self.bf16:
             return int4_gemm(x, self.codes, self.scale, self.zero)
+        # AVX2: float32 (torch's bfloat16 GEMM is 7x its float32 one there; the same values)
+        dtype = torch.bfloat16 if self.bf16 else torch.float32
         n, half = self.codes.shape
-        if not bf16:   # AVX2: torch's bfloat16 GEMM is 7x its float32 one there (same values)
-            w = int4_dequant(self.codes, self.scale, self.zero,
-                             scratch(n * half * 2, torch.float32))
-            return torch.nn.functional.linear(x.to(torch.bfloat16).float(), w).to(x.dtype)
-        w = int4_dequant(self.codes, self.scale, self.zero, scratch(n * half * 2))
-        return torch.nn.functional.linear(x.to(torch.bfloat16), w).to(x.dtype)
+        w = int4_dequant(self.codes, self.scale, self.zero, scratch(n * half * 2, dtype))
+        return torch.nn.functional.linear(x.to(torch.bfloat16).to(dtype), w).to(x.dtype)
 
     def dequantize(self) -> torch.Tensor:
         return int4_dequant(self.codes, self.scale, self.zero)

@@ -25,6 +25,7 @@
 
 #include "bf16.h"
 #include "helper.h"
+#include "simd.h"
 #include "tiles.h"
 
 namespace {
@@ -135,12 +136,6 @@ void rows_simd(const uint8_t* wq, const uint16_t* sc, const uint16_t* ze, int64_
 // nibbles). Each (r, m) pair runs the same instructions in the same order whatever NR and
 // MR are.
 constexpr bool kSimd = true;
-
-inline float hsum8(__m256 v) {   // one fixed tree
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
 
 template <int NR, int MR>
 void tile(const uint8_t* wq, const uint16_t* sc, const uint16_t* ze, int64_t ng,

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "simd.h"
 #include "tiles.h"
 
 namespace {
@@ -25,14 +26,13 @@ namespace {
 #else
 #define SIMD8 0
 #endif
+constexpr bool kSimd8 = SIMD8;
 
 #ifndef PF_BYTES8
 #define PF_BYTES8 4096   // software prefetch distance (bytes), as int4_gemv.cpp measured
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-constexpr bool kSimd8 = true;
-
 template <int NR, int MR>
 void tile8(const int8_t* q, int64_t K, const float* const* xf, float* out) {
   __m512 acc[NR][MR][2];
@@ -57,14 +57,6 @@ void tile8(const int8_t* q, int64_t K, const float* const* xf, float* out) {
 // AVX2 (no AVX-512: AMD Zen 2/3, older Intel): 8 lanes, the same walk and the same two
 // accumulators by chunk parity; torch's _weight_int8pack_mm there was 7.3 ms for SmolLM2's
 // head at one row and 46 ms at 16.
-constexpr bool kSimd8 = true;
-
-inline float hsum8(__m256 v) {   // one fixed tree: the same bits for a vector anywhere
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-
 // one chunk of 8 inputs: acc[.][.][A] += w[r][0..8) * x[m][0..8) (A: the chunk's parity)
 template <int NR, int MR, int A>
 inline void chunk8(const int8_t* const* w, const float* const* x, __m256 (&acc)[NR][MR][2]) {
@@ -114,8 +106,6 @@ void tile8(const int8_t* q, int64_t K, const float* const* xf, float* out) {
   for (int r = 0; r < NR; ++r)
     for (int m = 0; m < MR; ++m) out[r * MR + m] = hsum8(_mm256_add_ps(acc[r][m][0], acc[r][m][1]));
 }
-#else
-constexpr bool kSimd8 = false;
 #endif
 
 #if SIMD8

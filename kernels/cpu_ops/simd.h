@@ -1,4 +1,5 @@
-// 16-lane float32 helpers the C++ ops share (ops.cpp, fused.cpp, batch_gemm.cpp).
+// float32 helpers the C++ ops share: 16 lanes (ops.cpp, fused.cpp, batch_gemm.cpp) and
+// 8 (hsum8, the AVX2 paths of int4_gemv.cpp and int8_gemv.cpp).
 //
 // exp16: exp(x) in 16 float32 lanes (Cephes' expf: x = n ln2 + r, a degree-7 polynomial in r,
 // times 2^n by vscalefps; within 2 ulp of std::exp; below -104 it is 0, above 88.7 inf).
@@ -42,5 +43,15 @@ inline __m512 reduce16(const __m512* a) {
   const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
   const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x88), _mm512_shuffle_f32x4(w[2], w[3], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+}
+#endif
+
+#if defined(__AVX2__)
+// hsum8: the 8 lanes' sum by one fixed tree (the AVX2 kernels' reduce; the same bits for a
+// vector wherever it sits)
+inline float hsum8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 #endif

@@ -106,8 +106,8 @@ class Int8Weight:
             return F.linear(x, self.q.to(x.dtype)) * self.scale.to(x.dtype)
         if self.a8 and x.shape[0] >= A8_MIN_ROWS:
             return self.mm_a8(x)
-        # no int8_gemm (AVX2 builds): int8_gemv at any row count (as fast as torch's
-        # kernel at 16 rows, 1.7-2x at 1-4; one kernel, so a row's bits at any batch)
+        # no int8_gemm (AVX2 builds): int8_gemv at any row count (1.2-2.2x torch's kernel
+        # at 1-16 rows; one kernel, so a row's bits at any batch)
         if self.gemv and (x.shape[0] <= INT8_GEMV_MAX_ROWS or not self.batch):
             return int8_gemv(x, self.q, self.scale)
         if self.batch:
