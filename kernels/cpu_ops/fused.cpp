@@ -8,7 +8,7 @@
 //   lanes, not in torch's order: results are within a float32 rounding of torch's (tests).
 // silu_mul: Model.mlp's silu(gate) * up of gate|up [T, 2I]: silu in float32 (x / (1 +
 //   exp(-x))) rounded to x's dtype, then the product rounded: torch's two ops, up to the
-//   last float32 bit of exp (simd.h's 16 lanes here, SLEEF's in torch).
+//   last float32 bit of exp (simd.h's exp16 or exp8 here, SLEEF's in torch).
 // rope: Model.rope's x * cos + rot(x) * sin with sin's sign folded in, rot the halves'
 //   swap (or, interleaved, the pairs' swap), each product and the sum rounded to x's dtype
 //   as torch's ops round them: the same bits as the torch expression.
@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "bf16.h"
 #include "simd.h"
@@ -31,6 +32,31 @@ template <> inline c10::BFloat16 to<c10::BFloat16>(float f) {
   return c10::BFloat16(bf16_bits(f), c10::BFloat16::from_bits());
 }
 template <typename T> inline float rnd(float f) { return f32(to<T>(f)); }   // f in T's precision
+
+#if defined(__AVX2__) && defined(__FMA__)
+// 8 lanes: load as float32, round to T's precision (bf16_bits' arithmetic: half to even,
+// NaN -> the quiet NaN), store values already in T's precision
+inline __m256 ld8(const float* p) { return load8(p); }
+inline __m256 ld8(const c10::BFloat16* p) { return load8(reinterpret_cast<const uint16_t*>(p)); }
+template <typename T> inline __m256 rnd8(__m256 x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    const __m256i b = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7FFF)), odd),
+                                       _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+    return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)),
+                            _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  }
+}
+inline void st8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+inline void st8(c10::BFloat16* p, __m256 x) {
+  const __m256i h = _mm256_srli_epi32(_mm256_castps_si256(x), 16);
+  const __m256i w = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(w));
+}
+#endif
 
 template <typename T, typename W>
 void norm_rows(const T* x, const W* w, int64_t rows, int64_t H, float eps, bool gemma, T* y) {
@@ -91,6 +117,13 @@ void silu_mul_rows(const T* x, int64_t rows, int64_t I, T* y) {
         const float x = f32(g[i + l]);
         yr[i + l] = to<T>(rnd<T>(x / (1.f + e[l])) * f32(u[i + l]));
       }
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    for (; i + 8 <= I; i += 8) {     // 8 at a time, the same arithmetic as below; the rest as below
+      const __m256 x = ld8(g + i);
+      const __m256 s = rnd8<T>(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f),
+                                                              exp8(_mm256_sub_ps(_mm256_setzero_ps(), x)))));
+      st8(yr + i, rnd8<T>(_mm256_mul_ps(s, ld8(u + i))));
     }
 #endif
     for (; i < I; ++i) {
