@@ -315,7 +315,18 @@ void gemv_kernel(const T* x, int64_t M, int64_t K, const uint8_t* wq, const uint
     const float d = quant_row(xf.data(), ng, xq.data() + m * K, xa.data() + m * ng);
     rows[m] = XQ{xq.data() + m * K, d, xa.data() + m * ng, xs.data() + m * ng};
   }
-  rows_simd(wq, sc, ze, ng, rows.data(), M, out, N, N);
+  // spans of 64 weight rows on the helper thread too when on, as above (rows: this thread's)
+  constexpr int64_t kSpan = 64;
+  const int64_t spans = (N + kSpan - 1) / kSpan;
+  const XQ* rp = rows.data();
+  if (helper_on() && spans > 1) {
+    Helper::get()->run(spans, [=](int64_t i) {
+      const int64_t n0 = i * kSpan, n = N - n0 < kSpan ? N - n0 : kSpan;
+      rows_simd(wq + n0 * ng * 16, sc + n0 * ng, ze + n0 * ng, ng, rp, M, out + n0, n, N);
+    });
+  } else {
+    rows_simd(wq, sc, ze, ng, rp, M, out, N, N);
+  }
 #else
   TORCH_CHECK(false, "int4_gemv: built without AVX512-BF16 or AVX2 (int4_simd() is false)");
 #endif
