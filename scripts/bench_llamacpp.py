@@ -17,12 +17,16 @@ tokens, streamed /v1/chat/completions (OpenAI-compatible on all three servers):
                        --spawn-pdmesh: pdmesh up --model <converted folder> with the flags
                        `make run` passes)
 
-Per server and level: output tokens/s (completion tokens / wall time), TTFT and ITL
-percentiles. The llama.cpp builds stay out of `make test`; this script only talks HTTP to
+All servers run at once (idle while another is measured) and take turns: per round, per
+level, each server runs the level, so that a machine's drift (a shared VM's neighbours:
+the same level measured 2x apart minutes later here) lands on every server alike. Per
+server and level: output tokens/s (completion tokens / wall time), TTFT and ITL
+percentiles, each the median over --rounds; the ratio is the median of the rounds'
+ratios (each round's runs minutes apart at most). The llama.cpp builds stay out of `make test`; this script only talks HTTP to
 the servers (it starts them when given their binaries). Writes <out>/llamacpp.json, .png.
 
     python scripts/bench_llamacpp.py --llama-server PATH/llama-server \
-        [--llama-cpp-python PATH/python] [--pdmesh-url URL | --spawn-pdmesh]
+        [--llama-cpp-python PATH/python] [--pdmesh-url URL | --spawn-pdmesh] [--rounds 3]
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -178,6 +183,7 @@ def main() -> int:
     ap.add_argument("--gguf", default="")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench"))
     args = ap.parse_args()
     args.gguf = args.gguf or str(find_gguf())
@@ -185,25 +191,45 @@ def main() -> int:
            "levels": LEVELS, "cpus": os.cpu_count(), "servers": {}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for name, argv, url, model in servers(args):
-        ready = "/ready" if name == "pdmesh" else "/v1/models"   # pdmesh: every service up
-        proc = start(argv, url, out / f"llamacpp_{name}.log", ready) if argv else None
-        try:
-            res["servers"][name] = {}
+    procs, live = [], []
+    try:
+        for name, argv, url, model in servers(args):
+            ready = "/ready" if name == "pdmesh" else "/v1/models"   # pdmesh: every service up
+            if argv:
+                procs.append(start(argv, url, out / f"llamacpp_{name}.log", ready))
+            live.append((name, url, model))
+        runs = {name: {c: [] for c in LEVELS} for name, _, _ in live}
+        for r in range(args.rounds):
             for c, n in LEVELS.items():
-                r = asyncio.run(level(url, model, c, n, args.max_tokens))
-                res["servers"][name][c] = r
-                log(f"{name} c={c}: {r['tokens_per_s']:.1f} tok/s, TTFT p50 "
-                    f"{r['ttft_p50_s'] * 1e3:.0f} ms, ITL p50 {r['itl_p50_s'] * 1e3:.1f} ms")
-        finally:
-            if proc is not None:
-                proc.terminate()
-                proc.wait(30)
-    if "pdmesh" in res["servers"] and "llama-server" in res["servers"]:
+                for name, url, model in live:
+                    got = asyncio.run(level(url, model, c, n, args.max_tokens))
+                    runs[name][c].append(got)
+                    log(f"round {r + 1}/{args.rounds} {name} c={c}: {got['tokens_per_s']:.1f} "
+                        f"tok/s, TTFT p50 {got['ttft_p50_s'] * 1e3:.0f} ms, ITL p50 "
+                        f"{got['itl_p50_s'] * 1e3:.1f} ms")
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(30)
+    res["rounds"] = args.rounds
+    res["runs"] = runs
+    res["servers"] = {name: {c: {k: statistics.median(x[k] for x in rs) for k in rs[0]}
+                             for c, rs in lv.items()} for name, lv in runs.items()}
+    for name, lv in res["servers"].items():
+        for c, m in lv.items():
+            log(f"{name} c={c} (medians): {m['tokens_per_s']:.1f} tok/s, TTFT p50 "
+                f"{m['ttft_p50_s'] * 1e3:.0f} ms, ITL p50 {m['itl_p50_s'] * 1e3:.1f} ms")
+    if "pdmesh" in runs and "llama-server" in runs:
         res["pdmesh_over_llama_server"] = {
-            c: res["servers"]["pdmesh"][c]["tokens_per_s"]
-            / res["servers"]["llama-server"][c]["tokens_per_s"] for c in LEVELS}
+            c: statistics.median(a["tokens_per_s"] / b["tokens_per_s"] for a, b in
+                                 zip(runs["pdmesh"][c], runs["llama-server"][c]))
+            for c in LEVELS}
+        res["ttft_p50_pdmesh_over_llama_server"] = {
+            c: statistics.median(a["ttft_p50_s"] / b["ttft_p50_s"] for a, b in
+                                 zip(runs["pdmesh"][c], runs["llama-server"][c]))
+            for c in LEVELS}
         log(f"pdmesh / llama-server tokens/s: {res['pdmesh_over_llama_server']}")
+        log(f"pdmesh / llama-server TTFT p50: {res['ttft_p50_pdmesh_over_llama_server']}")
     save(res, out, "llamacpp", plot)
     return 0
 
