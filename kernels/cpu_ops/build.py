@@ -38,7 +38,7 @@ SOURCES = (SOURCE, *(Path(__file__).with_name(f) for f in ("bind.cpp", "kv_copy.
                                                            "fused.cpp", "batch_gemm.cpp")))
 # headers: in the build's digest, not compiled alone
 HEADERS = tuple(Path(__file__).with_name(f) for f in ("aten.h", "bf16.h", "tiles.h",
-                                                                  "simd.h", "helper.h"))
+                                                                  "simd.h", "helper.h", "lanes8.h"))
 _cache: dict[str, object] = {}
 _lock = threading.Lock()
 

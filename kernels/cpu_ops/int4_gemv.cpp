@@ -165,20 +165,20 @@ inline float hmax8(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
 }
 
-// one row of x (float32 of its bfloat16 values) -> int16 codes, d (the row's), and per
+// one row of x (its bfloat16 bits, prep_row's) -> int16 codes, d (the row's), and per
 // group a = -8 d sum(xq)
-float quant_row(const float* x, int64_t ng, int16_t* q, float* a) {
+float quant_row(const uint16_t* x, int64_t ng, int16_t* q, float* a) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 mx = _mm256_setzero_ps();
   for (int64_t k = 0; k < ng * kGroup; k += 8)
-    mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
+    mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, load8(x + k)));
   const float amax = hmax8(mx);
   const float d = amax / 32767.f;
   const __m256 id = _mm256_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
   for (int64_t g = 0; g < ng; ++g) {
     __m256i c[4];
     for (int i = 0; i < 4; ++i)   // half to even
-      c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + g * kGroup + 8 * i), id));
+      c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x + g * kGroup + 8 * i), id));
     const int sum = hsum8i(_mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3])));
     // packs interleave by 128-bit halves: (c0, c2) -> 0-3, 16-19 | 4-7, 20-23; 0xD8 puts
     // them in order 0-7 | 16-23, the words vpunpcklbw makes of a block's bytes
@@ -303,16 +303,14 @@ void gemv_kernel(const T* x, int64_t M, int64_t K, const uint8_t* wq, const uint
     rows_simd(wq, sc, ze, ng, xbp, xsp, M, K, out, N, N);
   }
 #elif defined(__AVX2__) && defined(__FMA__)
-  thread_local std::vector<float> xf, xa;   // x's bfloat16 values as float32; per group a
+  thread_local std::vector<float> xa;   // per group a
   thread_local std::vector<int16_t> xq;
   thread_local std::vector<XQ> rows;
-  xf.resize(K);
   xq.resize(M * K);
   xa.resize(M * ng);
   rows.resize(M);
   for (int64_t m = 0; m < M; ++m) {
-    for (int64_t k = 0; k < K; ++k) xf[k] = bf16_float(xb[m * K + k]);
-    const float d = quant_row(xf.data(), ng, xq.data() + m * K, xa.data() + m * ng);
+    const float d = quant_row(xb.data() + m * K, ng, xq.data() + m * K, xa.data() + m * ng);
     rows[m] = XQ{xq.data() + m * K, d, xa.data() + m * ng, xs.data() + m * ng};
   }
   // spans of 64 weight rows on the helper thread too when on, as above (rows: this thread's)

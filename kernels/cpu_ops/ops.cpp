@@ -21,6 +21,8 @@
 
 #include "bf16.h"
 #include "simd.h"
+#include "lanes8.h"
+#include "tiles.h"
 
 namespace {
 
@@ -244,41 +246,17 @@ void attend_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, int6
   }
 }
 
-// the fast path where it applies (bfloat16, D % 32 == 0, D <= 256, G <= 8): true if taken
-template <typename T, typename Rows>
-bool attend_fast(const T* q, const T* kc, const T* vc, int64_t ctx, int64_t Hq, int64_t Hkv,
-                 int64_t D, float scale, Rows rows, T* out) {
-  if constexpr (!std::is_same_v<T, c10::BFloat16>) {
-    return false;
-  } else {
-    const int64_t G = Hq / Hkv;
-    if (D % 32 || D > 256 || G > 8) return false;
-    thread_local std::vector<int64_t> offs;
-    offs.resize(ctx);
-    for (int64_t l = 0; l < ctx; ++l) offs[l] = rows(l);
-    auto* q16 = reinterpret_cast<const uint16_t*>(q);
-    auto* k16 = reinterpret_cast<const uint16_t*>(kc);
-    auto* v16 = reinterpret_cast<const uint16_t*>(vc);
-    auto* o16 = reinterpret_cast<uint16_t*>(out);
-    switch (G) {
-      case 1: attend_bf16<1>(q16, k16, v16, ctx, Hkv, D, scale, offs.data(), o16); break;
-      case 2: attend_bf16<2>(q16, k16, v16, ctx, Hkv, D, scale, offs.data(), o16); break;
-      case 3: attend_bf16<3>(q16, k16, v16, ctx, Hkv, D, scale, offs.data(), o16); break;
-      case 4: attend_bf16<4>(q16, k16, v16, ctx, Hkv, D, scale, offs.data(), o16); break;
-      case 5: attend_bf16<5>(q16, k16, v16, ctx, Hkv, D, scale, offs.data(), o16); break;
-      case 6: attend_bf16<6>(q16, k16, v16, ctx, Hkv, D, scale, offs.data(), o16); break;
-      case 7: attend_bf16<7>(q16, k16, v16, ctx, Hkv, D, scale, offs.data(), o16); break;
-      default: attend_bf16<8>(q16, k16, v16, ctx, Hkv, D, scale, offs.data(), o16); break;
-    }
-    return true;
-  }
+// the fast path's kernel and where it applies: bfloat16, D % 32 == 0, D <= 256, G <= 8
+template <typename T> constexpr bool kFastType = std::is_same_v<T, c10::BFloat16>;
+constexpr int64_t kFastAlign = 32;
+template <int G, typename T>
+void attend_kernel(const T* q, const T* kc, const T* vc, int64_t ctx, int64_t Hkv, int64_t D,
+                   float scale, const int64_t* offs, T* out) {
+  attend_bf16<G>(reinterpret_cast<const uint16_t*>(q), reinterpret_cast<const uint16_t*>(kc),
+                 reinterpret_cast<const uint16_t*>(vc), ctx, Hkv, D, scale, offs,
+                 reinterpret_cast<uint16_t*>(out));
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-template <typename T> inline __m256 ld8(const T* p) {
-  if constexpr (std::is_same_v<T, float>) return load8(p);
-  else return load8(reinterpret_cast<const uint16_t*>(p));
-}
-
 // attend_one in 8 float32 lanes for float32 and bfloat16 caches (CPUs without AVX-512:
 // AVX2 + FMA), D a multiple of 8 up to 256, G <= 8 query heads per kv head: the scores of
 // 8 positions at a time (8 K rows against one head's q, one reduce8), the softmax's exps
@@ -339,37 +317,54 @@ void attend8(const T* q, const T* kc, const T* vc, int64_t ctx, int64_t Hkv, int
   }
 }
 
+// the fast path's kernel and where it applies: float32 or bfloat16, D % 8 == 0, D <= 256,
+// G <= 8
+template <typename T>
+constexpr bool kFastType = std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, float>;
+constexpr int64_t kFastAlign = 8;
 template <int G, typename T>
-void attend8_g(const T* q, const T* kc, const T* vc, int64_t ctx, int64_t Hkv, int64_t D,
-               float scale, const int64_t* offs, T* out) {
+void attend_kernel(const T* q, const T* kc, const T* vc, int64_t ctx, int64_t Hkv, int64_t D,
+                   float scale, const int64_t* offs, T* out) {
   if constexpr (G <= 6) {
     if (D % 16 == 0) return attend8<G, 2>(q, kc, vc, ctx, Hkv, D, scale, offs, out);
   }
   attend8<G, 1>(q, kc, vc, ctx, Hkv, D, scale, offs, out);
 }
+#endif
 
-// the fast path where it applies (float32 or bfloat16, D % 8 == 0, D <= 256, G <= 8)
+#if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)) || \
+    (defined(__AVX2__) && defined(__FMA__))
+// f(Int<G>{}) for G in 1..8: the query heads per kv head as a template argument
+template <typename F>
+void with_g(int64_t G, F f) {
+  switch (G) {
+    case 1: f(Int<1>{}); break;
+    case 2: f(Int<2>{}); break;
+    case 3: f(Int<3>{}); break;
+    case 4: f(Int<4>{}); break;
+    case 5: f(Int<5>{}); break;
+    case 6: f(Int<6>{}); break;
+    case 7: f(Int<7>{}); break;
+    default: f(Int<8>{}); break;
+  }
+}
+
+// the fast path where it applies (kFastType, D % kFastAlign == 0, D <= 256, G <= 8): true
+// if taken
 template <typename T, typename Rows>
 bool attend_fast(const T* q, const T* kc, const T* vc, int64_t ctx, int64_t Hq, int64_t Hkv,
                  int64_t D, float scale, Rows rows, T* out) {
-  if constexpr (!std::is_same_v<T, c10::BFloat16> && !std::is_same_v<T, float>) {
+  if constexpr (!kFastType<T>) {
     return false;
   } else {
     const int64_t G = Hq / Hkv;
-    if (D % 8 || D > 256 || G > 8) return false;
+    if (D % kFastAlign || D > 256 || G > 8) return false;
     thread_local std::vector<int64_t> offs;
     offs.resize(ctx);
     for (int64_t l = 0; l < ctx; ++l) offs[l] = rows(l);
-    switch (G) {
-      case 1: attend8_g<1>(q, kc, vc, ctx, Hkv, D, scale, offs.data(), out); break;
-      case 2: attend8_g<2>(q, kc, vc, ctx, Hkv, D, scale, offs.data(), out); break;
-      case 3: attend8_g<3>(q, kc, vc, ctx, Hkv, D, scale, offs.data(), out); break;
-      case 4: attend8_g<4>(q, kc, vc, ctx, Hkv, D, scale, offs.data(), out); break;
-      case 5: attend8_g<5>(q, kc, vc, ctx, Hkv, D, scale, offs.data(), out); break;
-      case 6: attend8_g<6>(q, kc, vc, ctx, Hkv, D, scale, offs.data(), out); break;
-      case 7: attend8_g<7>(q, kc, vc, ctx, Hkv, D, scale, offs.data(), out); break;
-      default: attend8_g<8>(q, kc, vc, ctx, Hkv, D, scale, offs.data(), out); break;
-    }
+    with_g(G, [&](auto g) {
+      attend_kernel<decltype(g)::value>(q, kc, vc, ctx, Hkv, D, scale, offs.data(), out);
+    });
     return true;
   }
 }
