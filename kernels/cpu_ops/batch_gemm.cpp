@@ -160,8 +160,9 @@ at::Tensor run(const at::Tensor& x, int64_t N, const char* name, Body body) {
 
 bool batch_simd() { return kSimd; }
 
-// whether int4_gemm and int8_gemm share their work with the helper thread
+// whether int4_gemv, int4_gemm and int8_gemm share their work with the helper thread
 void set_batch_helper(bool on) { helper_flag().store(on); }
+bool batch_helper_on() { return helper_on(); }
 
 // x [M, K] float32 | bfloat16, codes [N, K/2] (gemv_pack), scale and zero bfloat16
 // [N, K/32] -> [M, N] in x's dtype

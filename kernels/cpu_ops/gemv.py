@@ -47,9 +47,17 @@ def batch_ready() -> bool:
 def set_batch_helper(on: bool) -> None:
     """int4_gemv, int4_gemm and int8_gemm share their work with one helper thread (the
     engine's batch_helper, helper.h): it takes work items as the OS gives it a core, so a
-    busy second core costs only its wake-ups."""
-    if batch_ready():
-        load().set_batch_helper(on)
+    busy second core costs only its wake-ups. Wherever the C++ ops run: on AVX2, where
+    int4_gemm and int8_gemm are not built, int4_gemv uses it."""
+    mod = _mod()
+    if mod is not None:
+        mod.set_batch_helper(on)
+
+
+def batch_helper_on() -> bool:
+    """Whether the matmuls share their work with the helper thread now."""
+    mod = _mod()
+    return mod is not None and mod.batch_helper_on()
 
 
 def int4_gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,

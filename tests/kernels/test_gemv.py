@@ -130,3 +130,26 @@ def test_int8_gemv_equals_the_dequantized_product_and_rows_stand_alone(n, k, dty
     assert torch.equal(lin.mm(x[:INT8_GEMV_MAX_ROWS]), got[:INT8_GEMV_MAX_ROWS])
     if not lin.batch:   # AVX2: no int8_gemm, int8_gemv at every row count
         assert torch.equal(lin.mm(x), got)
+
+
+@needs_simd
+def test_the_batch_helper_is_on_wherever_int4_gemv_runs_and_changes_no_bit():
+    """decode's batch_helper (pdmesh up's default) turns the helper thread on wherever
+    int4_gemv runs, AVX2 included: before, set_batch_helper did nothing where int4_gemm is
+    not built, so on AVX2 int4_gemv's spans never reached the second core. On two threads
+    the spans of weight rows give the bits of one."""
+    from kernels.cpu_ops.gemv import batch_helper_on, set_batch_helper
+
+    codes, s, z = weight(3075, 576, 12)       # 49 spans of 64 rows, the last of 3
+    x = torch.randn(AVX2_GEMV_MAX_ROWS, 576, generator=torch.Generator().manual_seed(13))
+    rows = (1, 2, 3, 4, GEMV_MAX_ROWS) + (() if batch_ready() else (AVX2_GEMV_MAX_ROWS,))
+    one = [int4_gemv(x[:m], codes, s, z) for m in rows]
+    set_batch_helper(True)
+    try:
+        assert batch_helper_on()
+        for _ in range(3):
+            for m, want in zip(rows, one):
+                assert torch.equal(int4_gemv(x[:m], codes, s, z), want), m
+    finally:
+        set_batch_helper(False)
+    assert not batch_helper_on()
