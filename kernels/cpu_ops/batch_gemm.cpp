@@ -123,11 +123,7 @@ void gemm(const uint16_t* xb, int64_t M, int64_t Mp, int64_t K, int64_t N, float
       }
     }
   };
-  if (helper_on() && spans * passes > 1) {
-    Helper::get()->run(spans * passes, item);
-  } else {
-    for (int64_t i = 0; i < spans * passes; ++i) item(i);
-  }
+  share(spans * passes, item);
 }
 #else
 constexpr bool kSimd = false;

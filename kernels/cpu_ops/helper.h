@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <mutex>
@@ -95,3 +96,23 @@ inline std::atomic<bool>& helper_flag() {
   return on;
 }
 inline bool helper_on() { return helper_flag().load(std::memory_order_relaxed); }
+
+// run item(i) for i in [0, n): shared with the helper when it is on, else on this thread
+inline void share(int64_t n, const std::function<void(int64_t)>& item) {
+  if (helper_on() && n > 1) {
+    Helper::get()->run(n, item);
+  } else {
+    for (int64_t i = 0; i < n; ++i) item(i);
+  }
+}
+
+// f(n0, n) over N weight rows: spans of 64 (whole cache lines of a float y) shared with the
+// helper when it is on, else one call over all N. f must not name a thread_local: the
+// helper has its own (copy this thread's pointers into f's captures)
+template <typename F>
+void over_spans(int64_t N, F f) {
+  constexpr int64_t kSpan = 64;
+  const int64_t spans = (N + kSpan - 1) / kSpan;
+  if (!helper_on() || spans < 2) return f(int64_t{0}, N);
+  share(spans, [&](int64_t i) { f(i * kSpan, std::min(kSpan, N - i * kSpan)); });
+}

@@ -288,20 +288,13 @@ void gemv_kernel(const T* x, int64_t M, int64_t K, const uint8_t* wq, const uint
     out = yf.data();
   }
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-  // spans of 64 weight rows (whole cache lines of y), on the helper thread too when on
-  // (decode at one or two sequences reads the weight at two cores' bandwidth)
-  constexpr int64_t kSpan = 64;
-  const int64_t spans = (N + kSpan - 1) / kSpan;
+  // on the helper thread too when on (decode at one or two sequences reads the weight at two
+  // cores' bandwidth)
   const uint16_t* xbp = xb.data();   // (xb, xs: this thread's; the helper has its own)
   const float* xsp = xs.data();
-  if (helper_on() && spans > 1) {
-    Helper::get()->run(spans, [=](int64_t i) {
-      const int64_t n0 = i * kSpan, n = N - n0 < kSpan ? N - n0 : kSpan;
-      rows_simd(wq + n0 * ng * 16, sc + n0 * ng, ze + n0 * ng, ng, xbp, xsp, M, K, out + n0, n, N);
-    });
-  } else {
-    rows_simd(wq, sc, ze, ng, xbp, xsp, M, K, out, N, N);
-  }
+  over_spans(N, [=](int64_t n0, int64_t n) {
+    rows_simd(wq + n0 * ng * 16, sc + n0 * ng, ze + n0 * ng, ng, xbp, xsp, M, K, out + n0, n, N);
+  });
 #elif defined(__AVX2__) && defined(__FMA__)
   thread_local std::vector<float> xa;   // per group a
   thread_local std::vector<int16_t> xq;
@@ -313,18 +306,10 @@ void gemv_kernel(const T* x, int64_t M, int64_t K, const uint8_t* wq, const uint
     const float d = quant_row(xb.data() + m * K, ng, xq.data() + m * K, xa.data() + m * ng);
     rows[m] = XQ{xq.data() + m * K, d, xa.data() + m * ng, xs.data() + m * ng};
   }
-  // spans of 64 weight rows on the helper thread too when on, as above (rows: this thread's)
-  constexpr int64_t kSpan = 64;
-  const int64_t spans = (N + kSpan - 1) / kSpan;
-  const XQ* rp = rows.data();
-  if (helper_on() && spans > 1) {
-    Helper::get()->run(spans, [=](int64_t i) {
-      const int64_t n0 = i * kSpan, n = N - n0 < kSpan ? N - n0 : kSpan;
-      rows_simd(wq + n0 * ng * 16, sc + n0 * ng, ze + n0 * ng, ng, rp, M, out + n0, n, N);
-    });
-  } else {
-    rows_simd(wq, sc, ze, ng, rp, M, out, N, N);
-  }
+  const XQ* rp = rows.data();   // on the helper too when on, as above (rows: this thread's)
+  over_spans(N, [=](int64_t n0, int64_t n) {
+    rows_simd(wq + n0 * ng * 16, sc + n0 * ng, ze + n0 * ng, ng, rp, M, out + n0, n, N);
+  });
 #else
   TORCH_CHECK(false, "int4_gemv: built without AVX512-BF16 or AVX2 (int4_simd() is false)");
 #endif
