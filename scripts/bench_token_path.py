@@ -3,8 +3,9 @@ taken apart (forward by op, sampling, detokenize and stop checks, the rest of th
 then what the mesh adds on top (decode's loop, the chunk over NATS, the gateway, the SSE
 write, the client's read), side by side in one run on the default model.
 
-  engine  the decode engine `pdmesh up` runs (SmolLM2-135M, bf16, int4, head_split, one
-          thread, no speculation), in this process: one request, the README's question,
+  engine  the decode engine `pdmesh up --no-speculation` runs (its decode settings:
+          SmolLM2-135M, bf16, int4, head_split, the batch helper; one thread), in this
+          process: one request, the README's question,
           --tokens tokens (ignore_eos). Each decode step's wall time and its parts
           (timers around the engine's own calls), and the forward's ops from
           torch.profiler over --profile-steps of those steps.
@@ -120,15 +121,29 @@ def labelled_cpu_ops():
             setattr(mod, name, fn)
 
 
+def up_engine(model: str, threads: int, kv_cache_mb: int):
+    """An engine with the settings `pdmesh up --no-speculation` gives its decode (bf16, as
+    decode's own default): what this benchmark measures is what users run."""
+    from dataclasses import fields
+
+    from pdmesh.cli import build_parser
+    from pdmesh.local.serve_args import cluster_kwargs
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import LLMEngine
+
+    up = cluster_kwargs(build_parser().parse_args(["up", "--no-speculation"]))
+    names = {f.name for f in fields(EngineConfig)}
+    kw = {k: v for k, v in up["overrides"].get("decode", {}).items() if k in names}
+    return LLMEngine(EngineConfig(**kw | {"model": model, "dtype": "bfloat16",
+                                          "threads": threads, "kv_cache_mb": kv_cache_mb}))
+
+
 def engine_part(model: str, tokens: int, rounds: int, profile_steps: int) -> dict:
     import shared.engine.engine as engine_mod
     from shared.contracts.sampling import SamplingParams
-    from shared.engine.config import EngineConfig
-    from shared.engine.engine import LLMEngine
     from shared.engine.output import OutputProcessor
 
-    eng = LLMEngine(EngineConfig(model=model, dtype="bfloat16", quantize="int4",
-                                 head_split=True, threads=1, kv_cache_mb=256))
+    eng = up_engine(model, 1, 256)
     prompt = eng.tokenizer.encode_chat(QUESTION)
     t = Timers()
     t.wrap(engine_mod, "sample", "sampling")
@@ -181,12 +196,8 @@ def threads_part(model: str, tokens: int, rounds: int) -> dict:
     """ms per token of the same engine on 1 and 2 torch threads, interleaved: whether
     lending decode the core prefill leaves idle would pay through intra-op threads."""
     from shared.contracts.sampling import SamplingParams
-    from shared.engine.config import EngineConfig
-    from shared.engine.engine import LLMEngine
 
-    engs = {n: LLMEngine(EngineConfig(model=model, dtype="bfloat16", quantize="int4",
-                                      head_split=True, threads=n, kv_cache_mb=128))
-            for n in (1, 2)}
+    engs = {n: up_engine(model, n, 128) for n in (1, 2)}
     prompt = engs[1].tokenizer.encode_chat(QUESTION)
     sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     got: dict[int, list[float]] = {n: [] for n in engs}
