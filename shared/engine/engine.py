@@ -122,7 +122,7 @@ class LLMEngine:
         self._grammar = None
         self.counters = dict.fromkeys(("prefix_hit_tokens", "prompt_tokens", "loads",
                                        "load_failures", "loaded_blocks", "spec_steps",
-                                       "spec_proposed", "spec_accepted"), 0)
+                                       "spec_proposed", "spec_accepted", "tail_hit_tokens"), 0)
         fp = self.tokenizer.fingerprint if self.tokenizer is not None else ""
         self.cache_salt = prefix_salt(str(mc), fp, cfg.dtype + cfg.quantize + "a8" * cfg.act_int8
                                       + "sq" * smoothing_applies(cfg),
@@ -205,7 +205,7 @@ class LLMEngine:
         Returns the LayerLoad the caller must fill (blocks beyond the L1 hit), or None."""
         seq = self._new_seq(request_id, prompt_ids, params, constraint, replay)
         seq.stop_after_prefill, seq.cache_salt = prefill_only, cache_salt
-        load = self.prefix.attach(seq, tier_blocks)
+        load = self.prefix.attach(seq, tier_blocks, tail=True)
         self.scheduler.add(seq)
         return load
 
@@ -301,8 +301,7 @@ class LLMEngine:
     def postprocess(self, batch, sampled, logits) -> list[RequestOutput]:
         for s in batch:
             s.seq.num_computed = s.start + s.n
-            if s.seq.keys:
-                self.prefix.register(s.seq)
+            self.prefix.register(s.seq)
         outs, r = [], 0
         V = logits.shape[-1]
         for s in sampled:

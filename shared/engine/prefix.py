@@ -2,6 +2,8 @@
 
 Block i's key hashes the key of block i-1 and the token ids of block i, so a key names
 the whole prefix up to and including its block (like vLLM's and SGLang's prefix caches).
+A block's leading tokens (fewer than a block: a prompt's last, partial block) have a
+key of their own (`tail_key`), chained from the same prefix in a domain of its own.
 The chain starts from a salt that names the model, its tokenizer, the KV dtype and the
 block size: two models (or two precisions) never share an entry. A request's cache salt
 (its tenant, DecodeSubmit.cache_salt) is mixed into that start (`salted`), so two
@@ -40,3 +42,12 @@ def block_keys(token_ids: list[int], block_size: int, salt: bytes,
         prev = h.digest()
         keys.append(prev)
     return keys
+
+
+def tail_key(parent: bytes, token_ids: list[int]) -> bytes:
+    """The key of the first len(token_ids) < block_size tokens of the block after the
+    prefix `parent` names (a key, or the salt for the first block). Hashed in a domain of
+    its own: never equal to a whole block's key."""
+    h = hashlib.blake2b(parent + b"\x1ftail", digest_size=KEY_BYTES)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()

@@ -1,7 +1,11 @@
 """The engine's prefix cache (tier L1) and its lower-tier loads.
 
 Whole prompt blocks are indexed by a chained key of their tokens (prefix.py); a request
-takes the longest cached prefix from the pool (L1) and computes only the rest. A longer
+takes the longest cached prefix from the pool (L1) and computes only the rest. A prompt's
+last, partial block is indexed too (its tail key): a request computing its own prompt
+copies up to a block's worth of tokens more from such a block, or from a whole cached
+block it cannot take whole, into a fresh block of its own (token-level reuse, as SGLang's
+radix cache has; a repeated short chat prompt then computes one token, not up to 16). A longer
 prefix held by a lower tier (kvstore) is loaded layer by layer into fresh blocks
 (layer_load.py) while the rest computes; a failed load is recomputed. In deterministic
 mode only whole chunks are shared: their KV is bit-identical however the prompt is split.
@@ -17,7 +21,7 @@ import torch
 from .block_pool import BlockPool, NoFreeBlocks
 from .config import EngineConfig
 from .layer_load import LayerLoad
-from .prefix import block_keys, salted
+from .prefix import block_keys, salted, tail_key
 from .scheduler import Scheduled, cancel_load
 from .sequence import Sequence
 
@@ -44,7 +48,8 @@ class PrefixCache:
         return block_keys(prompt_ids, bs, salted(self.salt, cache_salt), nb)
 
     def cached_tokens(self, prompt_ids: list[int], cache_salt: str = "") -> int:
-        """Prompt tokens an L1 hit would serve right now (a peek: nothing is taken)."""
+        """Prompt tokens an L1 hit on whole blocks would serve right now (a peek: nothing is
+        taken; a computed prompt may be served up to a block's worth more, by a tail)."""
         if not self.cfg.prefix_cache:
             return 0
         hit = len(self.pool.match(self.keys(prompt_ids, cache_salt)))
@@ -59,14 +64,19 @@ class PrefixCache:
             nblocks -= nblocks % (self.cfg.chunk_size // bs)
         return max(0, nblocks)
 
-    def attach(self, seq: Sequence, tier_blocks: int = 0) -> LayerLoad | None:
+    def attach(self, seq: Sequence, tier_blocks: int = 0, tail: bool = False
+               ) -> LayerLoad | None:
         """Give a new sequence its cached prefix: L1 blocks (referenced), plus fresh blocks
-        for a lower tier's longer prefix, to be filled by the returned LayerLoad."""
+        for a lower tier's longer prefix, to be filled by the returned LayerLoad. tail (a
+        sequence that computes its own prompt): plus the tokens a cached partial block
+        serves, copied into a fresh block (never in deterministic mode, or with a load)."""
         seq.block_table, seq.num_registered, seq.num_evicted = [], 0, 0
+        seq.tail_registered = False
         seq.num_computed = seq.num_l1 = seq.num_cached = seq.draft_computed = 0
         seq.keys = self.keys(seq.prompt_ids, seq.cache_salt)
         self.counters["prompt_tokens"] += len(seq.prompt_ids)
-        if not seq.keys:
+        tail = tail and self.cfg.prefix_cache and not self.cfg.deterministic
+        if not seq.keys and not tail:
             return None
         l1 = self.pool.match(seq.keys) if self.cfg.prefix_cache else []
         total = self.usable(max(len(l1), tier_blocks), len(seq.prompt_ids))
@@ -81,8 +91,45 @@ class PrefixCache:
         seq.num_registered = len(l1)
         seq.num_l1 = len(l1) * self.cfg.block_size
         seq.num_computed = seq.num_cached = total * self.cfg.block_size
+        if tail and load is None:
+            self._attach_tail(seq)
         self.counters["prefix_hit_tokens"] += seq.num_cached
         return load
+
+    def _attach_tail(self, seq: Sequence) -> None:
+        """Copy the leading tokens of a cached block that continue the sequence's cached
+        prefix into a fresh block of its own (the source may be anyone's; the copy is)."""
+        src = self._tail_source(seq, len(seq.block_table))
+        if src is None:
+            return
+        block, n = src
+        try:
+            fresh = self.pool.allocate(1)[0]   # may evict the source itself: then a no-op
+        except NoFreeBlocks:
+            return
+        self.kv[:, :, fresh, :n] = self.kv[:, :, block, :n]
+        seq.block_table.append(fresh)
+        seq.num_computed += n
+        seq.num_cached += n
+        self.counters["tail_hit_tokens"] += n
+
+    def _tail_source(self, seq: Sequence, u: int) -> tuple[int, int] | None:
+        """(block, tokens) of the cached block holding the most prompt tokens after the
+        sequence's u whole cached blocks, those tokens leaving the last prompt token to
+        compute: the next whole block itself (cached, but taking it whole would leave
+        nothing to compute), else the longest tail key that matches."""
+        bs, prompt = self.cfg.block_size, seq.prompt_ids
+        room = min(bs - 1, len(prompt) - 1 - u * bs)
+        if room < 1:
+            return None
+        if u < len(seq.keys) and (whole := self.pool.match(seq.keys[u:u + 1])):
+            return whole[0], room
+        parent = seq.keys[u - 1] if u else salted(self.salt, seq.cache_salt)
+        rest = prompt[u * bs:u * bs + bs - 1]
+        for n in range(len(rest), 0, -1):
+            if found := self.pool.match([tail_key(parent, rest[:n])]):
+                return found[0], min(n, room)
+        return None
 
     def _start_load(self, seq: Sequence, first: int, total: int) -> LayerLoad | None:
         try:
@@ -111,6 +158,19 @@ class PrefixCache:
             i = seq.num_registered
             self.pool.register(seq.block_table[i], seq.keys[i])
             seq.num_registered += 1
+        if seq.num_registered == len(seq.keys) == limit:
+            self._register_tail(seq)
+
+    def _register_tail(self, seq: Sequence) -> None:
+        """Index the prompt's last, partial block under its tail key, once, as the prompt's
+        KV completes (its leading slots never change while the block is allocated)."""
+        bs, n, u = self.cfg.block_size, len(seq.prompt_ids), len(seq.keys)
+        if (self.cfg.deterministic or seq.num_computed < n or seq.tail_registered
+                or n == u * bs or u < seq.num_evicted or u >= len(seq.block_table)):
+            return
+        seq.tail_registered = True
+        parent = seq.keys[u - 1] if u else salted(self.salt, seq.cache_salt)
+        self.pool.register(seq.block_table[u], tail_key(parent, seq.prompt_ids[u * bs:]))
 
     def write_loaded_layer(self, load: LayerLoad, layer: int, data: torch.Tensor,
                            b0: int = 0) -> bool:

@@ -171,6 +171,7 @@ class Scheduler:
         seq.num_computed = seq.num_registered = seq.num_l1 = seq.num_cached = 0
         seq.num_evicted = 0
         seq.draft_computed = 0
+        seq.tail_registered = False
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 

@@ -43,6 +43,7 @@ class Sequence:
     # pool's index, prompt tokens served from L1 / from any cache, and a load in progress
     keys: list[bytes] = field(default_factory=list)
     num_registered: int = 0
+    tail_registered: bool = False      # its last, partial prompt block too (tail_key)
     num_l1: int = 0
     num_cached: int = 0
     load: object = None                # layer_load.LayerLoad while lower-tier KV arrives

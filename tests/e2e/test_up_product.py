@@ -213,6 +213,38 @@ async def scrape(m: UpMesh) -> str:
             return await r.text()
 
 
+def test_a_repeated_chat_computes_only_its_last_prompt_token(up):
+    """vLLM's prefix cache serves whole blocks only; pdmesh's also serves a prompt's last,
+    partial block (SGLang's token-level reuse): the same chat again is served all but the
+    one token whose logits it samples, and answers the same."""
+    m, _ = up
+    chat = {"model": "tiny", "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": "def repeated_prompt_tail(x): return"}]}
+    status, first = run(up, _get(m.url + "/v1/chat/completions", KEY, chat))
+    assert status == 200, first
+    status, again = run(up, _get(m.url + "/v1/chat/completions", KEY, chat))
+    assert status == 200, again
+    n = again["usage"]["prompt_tokens"]
+    assert n % 16 and again["usage"]["prompt_tokens_details"]["cached_tokens"] == n - 1
+    assert again["choices"][0]["message"] == first["choices"][0]["message"]
+
+
+def test_a_repeated_pd_prompt_answers_the_same(up):
+    """Through prefill: decode's hold takes whole blocks alone (its slots must be written
+    whole), prefill's job takes the tail from its own L1 and streams the block it fills."""
+    m, _ = up
+    chat = {"model": "tiny", "max_tokens": 8, "temperature": 0, "pdmesh_path": "pd",
+            "messages": [{"role": "user", "content": "def repeated_pd_prompt_tail(y): return"}]}
+    got = []
+    for _ in range(3):
+        status, body = run(up, _get(m.url + "/v1/chat/completions", KEY, chat))
+        assert status == 200, body
+        got.append((body["choices"][0]["message"], body["usage"]))
+    assert got[0][0] == got[1][0] == got[2][0]
+    n = got[2][1]["prompt_tokens"]
+    assert got[2][1]["prompt_tokens_details"]["cached_tokens"] == n - 1
+
+
 def test_a_crash_loop_stops_the_mesh_naming_the_child(up):
     m, _ = up
     old = m.sigkill("kvstore-0")
