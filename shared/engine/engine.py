@@ -129,6 +129,7 @@ class LLMEngine:
                                       str(cfg.block_size))
         self.prefix = PrefixCache(cfg, self.pool, self.kv, mc.num_layers, self.cache_salt,
                                   self.counters)
+        self.scheduler.attach_tail = self.prefix.attach_tail
         self.port = KvPort(self)      # what PD services do to the KV from outside step()
 
     def _start_speculation(self, dc, num_blocks: int) -> None:

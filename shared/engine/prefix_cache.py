@@ -71,7 +71,7 @@ class PrefixCache:
         sequence that computes its own prompt): plus the tokens a cached partial block
         serves, copied into a fresh block (never in deterministic mode, or with a load)."""
         seq.block_table, seq.num_registered, seq.num_evicted = [], 0, 0
-        seq.tail_registered = False
+        seq.tail_registered = seq.want_tail = False
         seq.num_computed = seq.num_l1 = seq.num_cached = seq.draft_computed = 0
         seq.keys = self.keys(seq.prompt_ids, seq.cache_salt)
         self.counters["prompt_tokens"] += len(seq.prompt_ids)
@@ -91,14 +91,15 @@ class PrefixCache:
         seq.num_registered = len(l1)
         seq.num_l1 = len(l1) * self.cfg.block_size
         seq.num_computed = seq.num_cached = total * self.cfg.block_size
-        if tail and load is None:
-            self._attach_tail(seq)
+        seq.want_tail = tail and load is None   # the scheduler's, as it admits (attach_tail)
         self.counters["prefix_hit_tokens"] += seq.num_cached
         return load
 
-    def _attach_tail(self, seq: Sequence) -> None:
+    def attach_tail(self, seq: Sequence) -> None:
         """Copy the leading tokens of a cached block that continue the sequence's cached
-        prefix into a fresh block of its own (the source may be anyone's; the copy is)."""
+        prefix into a fresh block of its own (the source may be anyone's; the copy is).
+        The scheduler's, as the sequence is admitted: a waiting sequence holds no block
+        of its own."""
         src = self._tail_source(seq, len(seq.block_table))
         if src is None:
             return
@@ -112,6 +113,7 @@ class PrefixCache:
         seq.num_computed += n
         seq.num_cached += n
         self.counters["tail_hit_tokens"] += n
+        self.counters["prefix_hit_tokens"] += n
 
     def _tail_source(self, seq: Sequence, u: int) -> tuple[int, int] | None:
         """(block, tokens) of the cached block holding the most prompt tokens after the

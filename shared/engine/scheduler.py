@@ -63,6 +63,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.lookahead: Callable[[Sequence], int] | None = None   # drafts a decode may take
+        # PrefixCache.attach_tail: a sequence's partial-block copy, taken as it is admitted
+        self.attach_tail: Callable[[Sequence], None] | None = None
         self.window = 0              # every layer's window (0: some layer sees everything)
         self.evicted_blocks = 0      # given back by sliding windows, in all
 
@@ -148,6 +150,10 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens - sum(s.n + s.k for s in out)
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
+            if seq.want_tail and self.attach_tail:    # a block of its own: taken as it joins,
+                seq.want_tail = False                 # with room for its whole prompt
+                if self._blocks_needed(seq, len(seq.prompt_ids)) <= self.pool.num_free:
+                    self.attach_tail(seq)
             n = self._chunk(seq, budget)
             if n == 0:
                 break
@@ -171,7 +177,7 @@ class Scheduler:
         seq.num_computed = seq.num_registered = seq.num_l1 = seq.num_cached = 0
         seq.num_evicted = 0
         seq.draft_computed = 0
-        seq.tail_registered = False
+        seq.tail_registered = seq.want_tail = False
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 

@@ -44,6 +44,7 @@ class Sequence:
     keys: list[bytes] = field(default_factory=list)
     num_registered: int = 0
     tail_registered: bool = False      # its last, partial prompt block too (tail_key)
+    want_tail: bool = False            # to copy a cached partial block as it is admitted
     num_l1: int = 0
     num_cached: int = 0
     load: object = None                # layer_load.LayerLoad while lower-tier KV arrives

@@ -114,11 +114,36 @@ def test_off_in_deterministic_mode_and_without_the_prefix_cache(tiny_target):
 
 
 def test_a_tiny_pool_evicting_the_source_still_serves_it(tiny_target, cold):
-    """Three blocks: the repeat's fresh block can only come from evicting a cached one,
-    the tail's source among them; outputs stay the cold ones."""
+    """Three blocks, all cached after the first run: the repeat takes the two whole ones,
+    and its fresh block can only be the tail's source itself, evicted; outputs stay the
+    cold ones."""
     p = ids(37, seed=5)
     want, _, want_kv = cold("ref5", p)
-    eng = engine(tiny_target, num_blocks=4)
+    eng = engine(tiny_target, num_blocks=3)
     run(eng, "a", p)
     got, cached, kv = run(eng, "b", p)
     assert cached == 36 and got == want and same_kv(kv, want_kv, 36)
+
+
+def test_a_waiting_request_holds_no_block_of_its_own(tiny_target, cold):
+    """The copy goes into a block of the request's own: taken as the scheduler admits it,
+    so queued repeats hold only the shared whole blocks (a queue of requests each holding
+    a private block could leave too few for the running ones, which never preempt it)."""
+    p = ids(37, seed=6)
+    want, _, _ = cold("ref6", p)
+    eng = engine(tiny_target, max_num_seqs=1)
+    run(eng, "a", p)
+    eng.add_request("long", ids(40, seed=7), GREEDY)      # holds the one running place
+    eng.step()
+    free = eng.pool.num_free
+    for i in range(5):
+        eng.add_request(f"r{i}", p, GREEDY)
+    assert [len(eng.requests[f"r{i}"].seq.block_table) for i in range(5)] == [2] * 5
+    assert eng.pool.num_free == free - 2       # the two whole blocks, shared, and no more
+    got = {}
+    while eng.has_unfinished:
+        for o in eng.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.request_id.startswith("r") and o.finished:
+                assert o.num_cached_tokens == 36
+    assert all(got[f"r{i}"] == want for i in range(5))

@@ -29,7 +29,9 @@ def prompt(n: int = 130, seed: int = 0) -> list[int]:
 def run(eng: LLMEngine, rid: str, p: list[int], salt: str) -> int:
     """The request's cached prompt tokens (after it ran to the end)."""
     eng.add_request(rid, p, GREEDY, cache_salt=salt)
-    cached = eng.requests[rid].seq.num_cached
+    seq = eng.requests[rid].seq
+    eng.step()                # admitted (a partial block's copy is taken then)
+    cached = seq.num_cached
     while eng.has_unfinished:
         eng.step()
     return cached
