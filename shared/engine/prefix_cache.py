@@ -68,8 +68,9 @@ class PrefixCache:
                ) -> LayerLoad | None:
         """Give a new sequence its cached prefix: L1 blocks (referenced), plus fresh blocks
         for a lower tier's longer prefix, to be filled by the returned LayerLoad. tail (a
-        sequence that computes its own prompt): plus the tokens a cached partial block
-        serves, copied into a fresh block (never in deterministic mode, or with a load)."""
+        sequence that computes its own prompt): marked to take, as the scheduler admits
+        it, the tokens a cached partial block serves (attach_tail; never in
+        deterministic mode, or with a load)."""
         seq.block_table, seq.num_registered, seq.num_evicted = [], 0, 0
         seq.tail_registered = seq.want_tail = False
         seq.num_computed = seq.num_l1 = seq.num_cached = seq.draft_computed = 0
@@ -126,7 +127,7 @@ class PrefixCache:
             return None
         if u < len(seq.keys) and (whole := self.pool.match(seq.keys[u:u + 1])):
             return whole[0], room
-        parent = seq.keys[u - 1] if u else salted(self.salt, seq.cache_salt)
+        parent = self._parent(seq, u)
         rest = prompt[u * bs:u * bs + bs - 1]
         for n in range(len(rest), 0, -1):
             if found := self.pool.match([tail_key(parent, rest[:n])]):
@@ -171,8 +172,13 @@ class PrefixCache:
                 or n == u * bs or u < seq.num_evicted or u >= len(seq.block_table)):
             return
         seq.tail_registered = True
-        parent = seq.keys[u - 1] if u else salted(self.salt, seq.cache_salt)
-        self.pool.register(seq.block_table[u], tail_key(parent, seq.prompt_ids[u * bs:]))
+        self.pool.register(seq.block_table[u], tail_key(self._parent(seq, u),
+                                                        seq.prompt_ids[u * bs:]))
+
+    def _parent(self, seq: Sequence, u: int) -> bytes:
+        """What a tail after u whole blocks chains from: block u-1's key, or the tenant's
+        salt for the first block."""
+        return seq.keys[u - 1] if u else salted(self.salt, seq.cache_salt)
 
     def write_loaded_layer(self, load: LayerLoad, layer: int, data: torch.Tensor,
                            b0: int = 0) -> bool:
