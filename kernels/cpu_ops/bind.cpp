@@ -61,7 +61,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_simd", &int8_simd, "whether int8_gemv was built with AVX-512");
   m.def("int8_gemv", &int8_gemv, "x @ w.T on an int8 weight with per-output scales");
   m.def("batch_simd", &batch_simd, "whether batch_gemm.cpp was built with AVX512-BF16");
-  m.def("set_batch_helper", &set_batch_helper, "int4_gemv/int4_gemm/int8_gemm on a helper thread too");
+  m.def("set_batch_helper", &set_batch_helper, "int4_gemv/int8_gemv/int4_gemm/int8_gemm on a helper thread too");
   m.def("batch_helper_on", &batch_helper_on, "whether the matmuls use the helper thread now");
   m.def("int4_gemm", &int4_gemm, "x @ w.T on gemv-packed int4 codes, a decode batch's rows");
   m.def("int8_gemm", &int8_gemm, "x @ w.T on an int8 weight, a decode batch's rows");

@@ -45,10 +45,10 @@ def batch_ready() -> bool:
 
 
 def set_batch_helper(on: bool) -> None:
-    """int4_gemv, int4_gemm and int8_gemm share their work with one helper thread (the
-    engine's batch_helper, helper.h): it takes work items as the OS gives it a core, so a
-    busy second core costs only its wake-ups. Wherever the C++ ops run: on AVX2, where
-    int4_gemm and int8_gemm are not built, int4_gemv uses it."""
+    """int4_gemv, int8_gemv, int4_gemm and int8_gemm share their work with one helper
+    thread (the engine's batch_helper, helper.h): it takes work items as the OS gives it a
+    core, so a busy second core costs only its wake-ups. Wherever the C++ ops run: on AVX2,
+    where int4_gemm and int8_gemm are not built, int4_gemv and int8_gemv use it."""
     mod = _mod()
     if mod is not None:
         mod.set_batch_helper(on)

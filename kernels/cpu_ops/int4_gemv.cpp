@@ -190,48 +190,67 @@ float quant_row(const uint16_t* x, int64_t ng, int16_t* q, float* a) {
   return d;
 }
 
+// a block's group g (h = 0: the low nibbles) or g + 1 (h = 1: the high) against MR rows:
+// acc[m] += float(dot(q, xq)) * scale, q decoded from the block's 32 bytes at p
+template <int MR, int H>
+inline void group8(const uint8_t* p, float scale, const int16_t* const* xq, int64_t off,
+                   __m256 (&acc)[MR]) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i zero = _mm256_setzero_si256();
+  const __m256i bl = _mm256_unpacklo_epi8(b, zero), bh = _mm256_unpackhi_epi8(b, zero);  // bytes 0-7, 16-23 | 8-15, 24-31
+  __m256i lo, hi;
+  if constexpr (H == 0) {
+    const __m256i lo4 = _mm256_set1_epi16(0x0F);
+    lo = _mm256_and_si256(bl, lo4), hi = _mm256_and_si256(bh, lo4);
+  } else {
+    lo = _mm256_srli_epi16(bl, 4), hi = _mm256_srli_epi16(bh, 4);
+  }
+  const __m256 s = _mm256_set1_ps(scale);
+  for (int m = 0; m < MR; ++m) {
+    const __m256i* x = reinterpret_cast<const __m256i*>(xq[m] + off);
+    const __m256i i = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256(x + 2 * H)),
+                                       _mm256_madd_epi16(hi, _mm256_loadu_si256(x + 2 * H + 1)));
+    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), s, acc[m]);
+  }
+}
+
+// One group at a time (the block's bytes read again for its second group, from L1): live
+// are the group's two code vectors and the accumulators, so a 1 x 4 tile keeps its 8 in
+// registers (both groups' codes at once spilled 3 of them to the stack).
 template <int NR, int MR>
 void tile(const uint8_t* wq, const uint16_t* sc, const uint16_t* ze, int64_t ng,
           const XQ* xr, float* out) {
-  const __m256i lo4 = _mm256_set1_epi16(0x0F), zero = _mm256_setzero_si256();
   const int64_t rb = ng * 16;   // bytes of codes per weight row
-  __m256 acc[NR][MR][2];
+  __m256 acc[NR][2][MR];
+  const int16_t* xq[MR];
+  for (int m = 0; m < MR; ++m) xq[m] = xr[m].q;
   for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < MR; ++m) acc[r][m][0] = acc[r][m][1] = _mm256_setzero_ps();
+    for (int m = 0; m < MR; ++m) acc[r][0][m] = acc[r][1][m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < ng; g += 2) {   // a block: groups g (low nibbles) and g + 1 (high)
     for (int r = 0; r < NR; ++r) {
       const uint8_t* p = wq + r * rb + g * 16;
       _mm_prefetch(reinterpret_cast<const char*>(p + PF_BYTES), _MM_HINT_T0);
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-      const __m256i bl = _mm256_unpacklo_epi8(b, zero), bh = _mm256_unpackhi_epi8(b, zero);  // bytes 0-7, 16-23 | 8-15, 24-31
-      const __m256i l0 = _mm256_and_si256(bl, lo4), h0 = _mm256_and_si256(bh, lo4);
-      const __m256i l1 = _mm256_srli_epi16(bl, 4), h1 = _mm256_srli_epi16(bh, 4);
-      const __m256 s0 = _mm256_set1_ps(bf16_float(sc[r * ng + g]));
-      const __m256 s1 = _mm256_set1_ps(bf16_float(sc[r * ng + g + 1]));
-      for (int m = 0; m < MR; ++m) {
-        const __m256i* xq = reinterpret_cast<const __m256i*>(xr[m].q + g * kGroup);
-        const __m256i i0 = _mm256_add_epi32(_mm256_madd_epi16(l0, _mm256_loadu_si256(xq)),
-                                            _mm256_madd_epi16(h0, _mm256_loadu_si256(xq + 1)));
-        const __m256i i1 = _mm256_add_epi32(_mm256_madd_epi16(l1, _mm256_loadu_si256(xq + 2)),
-                                            _mm256_madd_epi16(h1, _mm256_loadu_si256(xq + 3)));
-        acc[r][m][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), s0, acc[r][m][0]);
-        acc[r][m][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), s1, acc[r][m][1]);
-      }
+      group8<MR, 0>(p, bf16_float(sc[r * ng + g]), xq, g * kGroup, acc[r][0]);
+      group8<MR, 1>(p, bf16_float(sc[r * ng + g + 1]), xq, g * kGroup, acc[r][1]);
     }
   }
   for (int r = 0; r < NR; ++r) {
     const uint16_t* s = sc + r * ng;
     const uint16_t* z = ze + r * ng;
-    for (int m = 0; m < MR; ++m) {   // the offset and zero terms, 8 groups a pass
-      __m256 t = _mm256_setzero_ps();
-      int64_t g = 0;
-      for (; g + 8 <= ng; g += 8) {
-        t = _mm256_fmadd_ps(load8(s + g), _mm256_loadu_ps(xr[m].a + g), t);
-        t = _mm256_fmadd_ps(load8(z + g), _mm256_loadu_ps(xr[m].b + g), t);
+    __m256 t[MR];   // the offset and zero terms, 8 groups a pass, the weight's read once
+    for (int m = 0; m < MR; ++m) t[m] = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= ng; g += 8) {
+      const __m256 S = load8(s + g), Z = load8(z + g);
+      for (int m = 0; m < MR; ++m) {
+        t[m] = _mm256_fmadd_ps(S, _mm256_loadu_ps(xr[m].a + g), t[m]);
+        t[m] = _mm256_fmadd_ps(Z, _mm256_loadu_ps(xr[m].b + g), t[m]);
       }
+    }
+    for (int m = 0; m < MR; ++m) {
       float tail = 0.f;
-      for (; g < ng; ++g) tail += bf16_float(s[g]) * xr[m].a[g] + bf16_float(z[g]) * xr[m].b[g];
-      out[r * MR + m] = xr[m].d * hsum8(_mm256_add_ps(acc[r][m][0], acc[r][m][1])) + (hsum8(t) + tail);
+      for (int64_t h = g; h < ng; ++h) tail += bf16_float(s[h]) * xr[m].a[h] + bf16_float(z[h]) * xr[m].b[h];
+      out[r * MR + m] = xr[m].d * hsum8(_mm256_add_ps(acc[r][0][m], acc[r][1][m])) + (hsum8(t[m]) + tail);
     }
   }
 }

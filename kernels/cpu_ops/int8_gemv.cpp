@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "helper.h"
 #include "simd.h"
 #include "tiles.h"
 
@@ -57,14 +58,15 @@ void tile8(const int8_t* q, int64_t K, const float* const* xf, float* out) {
 // AVX2 (no AVX-512: AMD Zen 2/3, older Intel): 8 lanes, the same walk and the same two
 // accumulators by chunk parity; torch's _weight_int8pack_mm there was 7.3 ms for SmolLM2's
 // head at one row and 46 ms at 16.
-// one chunk of 8 inputs: acc[.][.][A] += w[r][0..8) * x[m][0..8) (A: the chunk's parity)
+// one chunk of 8 inputs: acc[.][.][A] += w[r][k..k+8) * x[m][k..k+8) (A: the chunk's parity)
 template <int NR, int MR, int A>
-inline void chunk8(const int8_t* const* w, const float* const* x, __m256 (&acc)[NR][MR][2]) {
+inline void chunk8(const int8_t* const* w, const float* const* x, int64_t k,
+                   __m256 (&acc)[NR][MR][2]) {
   __m256 X[MR];
-  for (int m = 0; m < MR; ++m) X[m] = _mm256_loadu_ps(x[m]);
+  for (int m = 0; m < MR; ++m) X[m] = _mm256_loadu_ps(x[m] + k);
   for (int r = 0; r < NR; ++r) {
     const __m256 wf = _mm256_cvtepi32_ps(
-        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w[r]))));
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w[r] + k))));
     for (int m = 0; m < MR; ++m) acc[r][m][A] = _mm256_fmadd_ps(wf, X[m], acc[r][m][A]);
   }
 }
@@ -74,34 +76,35 @@ void tile8(const int8_t* q, int64_t K, const float* const* xf, float* out) {
   __m256 acc[NR][MR][2];
   for (int r = 0; r < NR; ++r)
     for (int m = 0; m < MR; ++m) acc[r][m][0] = acc[r][m][1] = _mm256_setzero_ps();
+  // the rows' pointers fixed, k the one index (pointers moved in arrays, gcc vectorized
+  // their arithmetic: ~9 instructions in each pass of 16 inputs)
   const int8_t* w[NR];
   const float* x[MR];
+  for (int r = 0; r < NR; ++r) w[r] = q + r * K;
+  for (int m = 0; m < MR; ++m) x[m] = xf[m];
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {   // two chunks a pass: the parity fixed, acc in registers
-    for (int r = 0; r < NR; ++r) {
-      w[r] = q + r * K + k;
-      if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(w[r] + PF_BYTES8), _MM_HINT_T0);
-    }
-    for (int m = 0; m < MR; ++m) x[m] = xf[m] + k;
-    chunk8<NR, MR, 0>(w, x, acc);
-    for (int r = 0; r < NR; ++r) w[r] += 8;
-    for (int m = 0; m < MR; ++m) x[m] += 8;
-    chunk8<NR, MR, 1>(w, x, acc);
+    if ((k & 63) == 0)
+      for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w[r] + k + PF_BYTES8), _MM_HINT_T0);
+    chunk8<NR, MR, 0>(w, x, k, acc);
+    chunk8<NR, MR, 1>(w, x, k + 8, acc);
   }
   for (int a = 0; k < K; k += 8, ++a) {   // the last inputs (fewer than 16), zero-padded
     const int64_t n = K - k < 8 ? K - k : 8;
     alignas(32) int8_t wt[NR][8] = {};
     alignas(32) float xt[MR][8] = {};
+    const int8_t* wp[NR];
+    const float* xp[MR];
     for (int r = 0; r < NR; ++r) {
-      std::memcpy(wt[r], q + r * K + k, n);
-      w[r] = wt[r];
+      std::memcpy(wt[r], w[r] + k, n);
+      wp[r] = wt[r];
     }
     for (int m = 0; m < MR; ++m) {
-      std::memcpy(xt[m], xf[m] + k, n * sizeof(float));
-      x[m] = xt[m];
+      std::memcpy(xt[m], x[m] + k, n * sizeof(float));
+      xp[m] = xt[m];
     }
-    if (a == 0) chunk8<NR, MR, 0>(w, x, acc);
-    else chunk8<NR, MR, 1>(w, x, acc);
+    if (a == 0) chunk8<NR, MR, 0>(wp, xp, 0, acc);
+    else chunk8<NR, MR, 1>(wp, xp, 0, acc);
   }
   for (int r = 0; r < NR; ++r)
     for (int m = 0; m < MR; ++m) out[r * MR + m] = hsum8(_mm256_add_ps(acc[r][m][0], acc[r][m][1]));
@@ -109,13 +112,15 @@ void tile8(const int8_t* q, int64_t K, const float* const* xf, float* out) {
 #endif
 
 #if SIMD8
-void rows8(const int8_t* q, int64_t N, int64_t K, const float* xf, int64_t M, float* y) {
+// weight rows [0, N) into y (rows ldy apart)
+void rows8(const int8_t* q, int64_t N, int64_t K, const float* xf, int64_t M, float* y,
+           int64_t ldy) {
   walk_tiles(M, N, y, [&](auto nr_, auto mr_, int64_t n, int64_t m0, float* o) {
     constexpr int nr = decltype(nr_)::value, mr = decltype(mr_)::value;
     const float* xr[mr];
     for (int i = 0; i < mr; ++i) xr[i] = xf + (m0 + i) * K;
     tile8<nr, mr>(q + n * K, K, xr, o);
-  });
+  }, ldy);
 }
 #endif
 
@@ -139,7 +144,11 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   {
     pybind11::gil_scoped_release_simple nogil;
     float* y = yf.data_ptr<float>();
-    rows8(q.data_ptr<int8_t>(), N, K, xb.data_ptr<float>(), M, y);
+    const int8_t* qp = q.data_ptr<int8_t>();
+    const float* xp = xb.data_ptr<float>();
+    // on the helper thread too when on (helper.h): spans of weight rows, each row's
+    // instructions the same on either thread
+    over_spans(N, [=](int64_t n0, int64_t n) { rows8(qp + n0 * K, n, K, xp, M, y + n0, N); });
     const float* s = sf.data_ptr<float>();
     for (int64_t m = 0; m < M; ++m)
       for (int64_t n = 0; n < N; ++n) y[m * N + n] *= s[n];

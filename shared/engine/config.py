@@ -58,8 +58,8 @@ class EngineConfig:
         "largest weight; a second core idle at low concurrency reads half of it)"))
     batch_helper: bool = field(default=False, metadata=_h(
         "with quantize on a CPU the C++ ops run on (AVX2 or AVX512-BF16): decode's int4 "
-        "matmuls (and, with AVX512-BF16, the int8 LM head's from 3 rows) share their work "
-        "with a helper thread, which takes it as it gets a core (pdmesh up's decode: "
+        "matmuls and the int8 LM head's share their work with a helper thread (head_split "
+        "then keeps to one thread), which takes it as it gets a core (pdmesh up's decode: "
         "prefill's core, idle while no long prompt runs)"))
     prefix_cache: bool = field(default=True, metadata=_h(
         "L1: reuse whole prompt blocks still in this engine's KV pool"))

@@ -4,8 +4,10 @@ A batch-1 decode step is bandwidth-bound on one core, and the LM head is its lar
 single weight (SmolLM2-135M int4: the int8 head is 28 MB of the 81 MB a step reads,
 4.2 of 18.5 ms). With `head_split`, steps of at most PARALLEL_ROWS rows read one half on
 a helper thread while the engine thread reads the other (the kernels release the GIL),
-so a second core that is idle at low concurrency carries half of it. Larger steps
-multiply the halves one after the other on the engine thread, as one weight. Each output
+so a second core that is idle at low concurrency carries half of it. Larger steps, and
+every step while the C++ matmuls share their work with their own helper thread
+(`batch_helper`: each half already runs on both cores), multiply the halves one after the
+other on the engine thread. Each output
 column is the same dot product either way: the split never changes the logits.
 """
 from __future__ import annotations
@@ -14,6 +16,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+from kernels.cpu_ops.gemv import batch_helper_on
 
 from .quant import refine_top
 
@@ -42,7 +46,7 @@ class SplitHead:
         a, b = self.halves
         head = getattr(a, "head", False)    # (refined as one head: the same logits)
         ma, mb = (a.raw_mm, b.raw_mm) if head else (a.mm, b.mm)
-        if x.shape[0] <= PARALLEL_ROWS and not x.is_cuda:
+        if x.shape[0] <= PARALLEL_ROWS and not x.is_cuda and not batch_helper_on():
             other = self.pool.submit(mb, x)
             out = torch.cat([ma(x), other.result()], dim=1)
         else:

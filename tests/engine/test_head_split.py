@@ -1,5 +1,5 @@
 """head_split (shared/engine/head.py): the LM head in two halves, on two threads for steps
-of 1-2 rows, gives exactly the logits of the whole head, and an engine with it the same
+of 1-2 rows (unless the batch helper already spreads each half over both cores), gives exactly the logits of the whole head, and an engine with it the same
 tokens."""
 from __future__ import annotations
 
@@ -29,7 +29,12 @@ def test_the_halves_give_the_whole_heads_logits(rows, a8, device):
     assert torch.equal(split.dequantize(), whole.dequantize())
 
 
-def test_small_steps_read_half_the_head_on_the_helper_thread():
+@pytest.mark.parametrize("batch_helper", [False, True])
+def test_small_steps_read_half_the_head_on_the_helper_thread(batch_helper):
+    """Without the C++ matmuls' own helper thread, steps of 1-2 rows read the second half
+    on the head's thread; with it (each half already on both cores), on the engine's."""
+    from kernels.cpu_ops.gemv import batch_helper_on, set_batch_helper
+
     w = torch.randn(64, 32).to(torch.bfloat16)
     split = SplitHead(w, lambda t: quantize_weight(t, "int8", head=True))
     seen = []
@@ -45,9 +50,17 @@ def test_small_steps_read_half_the_head_on_the_helper_thread():
             seen.append((threading.current_thread().name.startswith("head"), x.shape[0]))
             return self.inner.raw_mm(x)
     split.halves = (split.halves[0], Spy(split.halves[1]))
-    for rows in (1, head.PARALLEL_ROWS, head.PARALLEL_ROWS + 1):
-        split.mm(torch.randn(rows, 32).to(torch.bfloat16))
-    assert seen == [(True, 1), (True, head.PARALLEL_ROWS), (False, head.PARALLEL_ROWS + 1)]
+    was = batch_helper_on()
+    set_batch_helper(batch_helper)
+    try:
+        if batch_helper and not batch_helper_on():
+            pytest.skip("the C++ ops are not built here: no batch helper")
+        for rows in (1, head.PARALLEL_ROWS, head.PARALLEL_ROWS + 1):
+            split.mm(torch.randn(rows, 32).to(torch.bfloat16))
+    finally:
+        set_batch_helper(was)
+    pooled = not batch_helper
+    assert seen == [(pooled, 1), (pooled, head.PARALLEL_ROWS), (False, head.PARALLEL_ROWS + 1)]
 
 
 def test_an_engine_with_a_split_head_writes_the_same_tokens(tiny_target, tiny_prompts, device):
