@@ -27,6 +27,27 @@ def test_seeded_draw_depends_only_on_seed_and_position():
     assert len(draws) > 5  # positions give different streams
 
 
+def test_a_batch_samples_each_row_as_it_would_alone():
+    """The plain greedy rows take one argmax over the batch; rows with something to apply
+    (penalties, a bias, a ban, logprobs, a seed) are processed row by row. Every row's
+    token is the one it gets sampled alone, ties included (the first index)."""
+    logits = torch.randn(8, 1000, generator=torch.Generator().manual_seed(1))
+    logits[1, [17, 400]] = 50.0                            # a tie: 17 both ways
+    logits[2, 2], logits[2, 500] = 10.0, 9.0               # the penalty on prompt token 2 flips it
+    g = SamplingParams(temperature=0.0)
+    rows = [si(g), si(g), si(SamplingParams(temperature=0.0, repetition_penalty=1.3)),
+            si(SamplingParams(temperature=0.0, logit_bias={5: 100.0})),
+            SampleInput(g, 7, 10, [1], [], banned=frozenset({int(logits[4].argmax())})),
+            si(SamplingParams(temperature=0.0, logprobs=2)),
+            si(SamplingParams(temperature=1.0, seed=3)), si(g)]
+    batch = sample(logits, rows)
+    alone = [sample(logits[i:i + 1], [r])[0] for i, r in enumerate(rows)]
+    assert [o.token for o in batch] == [o.token for o in alone]
+    assert batch[1].token == 17 and batch[2].token == 500 and batch[3].token == 5
+    assert batch[4].token != int(logits[4].argmax())
+    assert batch[5].top_logprobs == alone[5].top_logprobs and batch[0].logprob is None
+
+
 def test_seeded_sampling_reproducible_across_batch_compositions(tiny_target, tiny_prompts,
                                                                  device):
     p = SamplingParams(temperature=1.0, top_p=0.9, seed=42, max_tokens=24, ignore_eos=True)
