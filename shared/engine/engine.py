@@ -303,24 +303,37 @@ class LLMEngine:
         for s in batch:
             s.seq.num_computed = s.start + s.n
             self.prefix.register(s.seq)
-        outs, r = [], 0
         V = logits.shape[-1]
+        rows, inputs, r = [], [], 0   # the rows that sample one token, sampled as one batch
+        for s in sampled:
+            if not s.drafts:
+                rows.append(r)
+                inputs.append(self.sample_input(s.seq, V))
+            r += s.rows if s.drafts else 1
+        one = (logits[rows[0]:rows[0] + len(rows)] if rows and rows[-1] - rows[0] == len(rows) - 1
+               else logits[rows])
+        picked = iter(sample(one, inputs) if rows else ())
+        outs, r = [], 0
         for s in sampled:
             seq, req = s.seq, self.requests[s.seq.request_id]
             if s.drafts:              # rows r .. r+k: verify the drafts
                 outs.append(self.spec.verify(s, logits[r:r + s.rows]))
                 r += s.rows
                 continue
-            allowed = req.constraint.mask(V) if req.constraint is not None else None
-            si = SampleInput(seq.params, seq.seed, seq.num_tokens, seq.prompt_ids, seq.output_ids,
-                             banned=fit_banned(req.proc.banned(len(seq.output_ids)), allowed),
-                             allowed_mask=allowed)
-            res = sample(logits[r:r + 1], [si])[0]
+            res = next(picked)
             r += 1
             if req.constraint is not None:
                 req.constraint.accept(res.token)   # sampled under its mask: always accepted
             outs.append(self.append_token(seq, res.token, res))
         return outs
+
+    def sample_input(self, seq: Sequence, V: int) -> SampleInput:
+        """What sampling needs of a sequence's next token (its grammar's mask, its bans)."""
+        req = self.requests[seq.request_id]
+        allowed = req.constraint.mask(V) if req.constraint is not None else None
+        return SampleInput(seq.params, seq.seed, seq.num_tokens, seq.prompt_ids, seq.output_ids,
+                           banned=fit_banned(req.proc.banned(len(seq.output_ids)), allowed),
+                           allowed_mask=allowed)
 
     def append_token(self, seq: Sequence, token: int, res=None) -> RequestOutput:
         """Record a sampled token and run stop checks (also used for a remote first token)."""
