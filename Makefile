@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 # make test's pytest workers, each given whole modules (--dist loadfile: a module's mesh
 # stays in one process); 0 runs in this process, as plain pytest does
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 2
 MODEL_DIR ?= $(HOME)/.cache/pdmesh/models/SmolLM2-135M-Instruct
 
 .PHONY: venv constraints run test test-fast bench train-models smollm2 clean
