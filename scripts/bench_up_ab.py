@@ -14,18 +14,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import aiohttp
 
-from pdmesh.bench.http import stop, timed_stream, wait_http
+from pdmesh.bench.http import start, stop, wait_http
+from pdmesh.bench.loadgen import completion_body, run_level
 from pdmesh.bench.report import save
-from pdmesh.local.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 LEVELS = ((1, 8), (16, 32))       # (concurrency, requests)
@@ -36,31 +38,24 @@ def log(msg: str) -> None:
     print(f"[up_ab {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-async def level(url: str, model: str, c: int, n: int) -> dict:
-    """n requests, c at a time: tokens/s over the wall, ITL and TTFT medians (ms)."""
-    gaps, ttft = [], []
-    todo = list(range(n))
-    body = {"model": model, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
+async def level(url: str, model: str, c: int, n: int, label: str) -> dict:
+    """n requests, c at a time (pdmesh.bench.loadgen's load generator, the path left to the
+    gateway): tokens/s over the wall, ITL and TTFT medians (ms)."""
+    bodies = []
+    for i in range(n):
+        body = completion_body(model, f"Write a short story about a robot, number {i}.",
+                               "", TOKENS)
+        del body["pdmesh_path"]                # placed as users' requests are
+        bodies.append(body)
     async with aiohttp.ClientSession() as http:
-        async def worker():
-            while todo:
-                i = todo.pop()
-                r = await timed_stream(http, url, body | {
-                    "prompt": f"Write a short story about a robot, number {i}."})
-                if r["error"] or r["ttft_s"] is None:
-                    raise RuntimeError(f"{url}: {r['error'] or 'no text'}")
-                gaps.extend(r["gaps_s"])
-                ttft.append(r["ttft_s"])
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(c)))
-        wall = time.perf_counter() - t0
-    return {"tokens_per_s": n * TOKENS / wall, "itl_p50_ms": statistics.median(gaps) * 1e3,
-            "ttft_p50_ms": statistics.median(ttft) * 1e3}
+        r = await run_level(http, url, bodies, c, label)
+    if r["errors"]:
+        raise RuntimeError(f"{url}: {r['error_samples']}")
+    return {"tokens_per_s": r["tokens_per_s"], "itl_p50_ms": r["itl_s"]["p50"] * 1e3,
+            "ttft_p50_ms": r["ttft_s"]["p50"] * 1e3}
 
 
 def model_id(url: str) -> str:
-    import json
-    import urllib.request
     with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
         return json.load(r)["data"][0]["id"]
 
@@ -69,24 +64,21 @@ def measure(trees: dict[str, Path], rounds: int, tmp: Path) -> dict:
     procs, urls = {}, {}
     try:
         for label, tree in trees.items():
-            port = free_port()
-            urls[label] = f"http://127.0.0.1:{port}"
-            procs[label] = subprocess.Popen(
-                [sys.executable, "-m", "pdmesh", "up", "--port", str(port)], cwd=tree,
-                stdin=subprocess.DEVNULL, stdout=open(tmp / f"up_{label}.log", "w"),
-                stderr=subprocess.STDOUT, start_new_session=True)
+            procs[label], urls[label] = start(
+                [sys.executable, "-m", "pdmesh", "up", "--port", "0"], tmp / f"up_{label}.log",
+                cwd=tree)
         for label, url in urls.items():
             wait_http(url, "/ready")
             log(f"{label}: serving at {url}")
         model = model_id(urls["head"])
-        for url in urls.values():                                  # warm both
-            asyncio.run(level(url, model, 4, 8))
+        for label, url in urls.items():                            # warm both
+            asyncio.run(level(url, model, 4, 8, f"{label} warm-up"))
         runs: dict = {label: {str(c): [] for c, _ in LEVELS} for label in trees}
         for r in range(rounds):
             for c, n in LEVELS:
                 order = list(trees) if r % 2 == 0 else list(trees)[::-1]
                 for label in order:
-                    res = asyncio.run(level(urls[label], model, c, n))
+                    res = asyncio.run(level(urls[label], model, c, n, f"{label} c={c}"))
                     runs[label][str(c)].append(res)
                     log(f"round {r + 1}/{rounds} {label} c={c}: {res['tokens_per_s']:.1f} tok/s, "
                         f"ITL p50 {res['itl_p50_ms']:.1f} ms, TTFT p50 {res['ttft_p50_ms']:.0f} ms")

@@ -30,10 +30,10 @@ def wait_http(url: str, path: str = "/v1/models", timeout: float = 600) -> None:
 
 
 def start(argv: list[str], logfile: Path, url: str | None = None,
-          timeout: float = 600) -> tuple[subprocess.Popen, str]:
-    """Start a server, its output into logfile; (process, its URL) once it answers. url
-    None: `pdmesh up` on --port 0, whose URL its log names."""
-    proc = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL,
+          timeout: float = 600, cwd: Path = ROOT) -> tuple[subprocess.Popen, str]:
+    """Start a server (from checkout cwd), its output into logfile; (process, its URL)
+    once it answers. url None: `pdmesh up` on --port 0, whose URL its log names."""
+    proc = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL,
                             stdout=open(logfile, "w"), stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + timeout
     while url is None:

@@ -310,9 +310,7 @@ class LLMEngine:
                 rows.append(r)
                 inputs.append(self.sample_input(s.seq, V))
             r += s.rows if s.drafts else 1
-        one = (logits[rows[0]:rows[0] + len(rows)] if rows and rows[-1] - rows[0] == len(rows) - 1
-               else logits[rows])
-        picked = iter(sample(one, inputs) if rows else ())
+        picked = iter(sample(logits if len(rows) == logits.shape[0] else logits[rows], inputs))
         outs, r = [], 0
         for s in sampled:
             seq, req = s.seq, self.requests[s.seq.request_id]
