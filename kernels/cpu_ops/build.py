@@ -68,6 +68,12 @@ def arch() -> str:
     return os.environ.get("PDMESH_CPU_ARCH", "") or "native"
 
 
+def cpu_has(*flags: str) -> bool:
+    """Whether this CPU lists any of these /proc/cpuinfo flags."""
+    have = set(_cpu_flags().split())
+    return any(f in have for f in flags)
+
+
 def arch_missing(target: str) -> list[str]:
     """The features `target` needs that this CPU lacks (native: none)."""
     have = set(_cpu_flags().split())

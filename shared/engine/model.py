@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from kernels import cpu_ops
 from kernels.cpu_ops import load as cpu_ops_loaded
+from kernels.cpu_ops.build import cpu_has
 from kernels.kv_cache import plan_slots, write_kv
 
 from .archs import ACTIVATIONS
@@ -315,6 +316,23 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int
             * torch.tensor([], dtype=dtype).element_size())
 
 
+# A CPU without bfloat16 dot products (AVX512-BF16, AMX): torch's bfloat16 GEMM runs 2-7x
+# slower there than float32's from 8 rows on, the weight widened to float32 each call
+# included (scripts/bench_bf16_linear.py). The widening (~0.25 ns a weight in cache, more
+# from memory) outweighs the gain below 8 rows, and below 32 for a weight as large as an
+# LM head. The same products, summed in float32 and rounded once, as the bfloat16 GEMM
+# does; only the order of the sum may differ (1 ulp, ~1e-4 of the outputs).
+NATIVE_BF16 = cpu_has("avx512_bf16", "amx_bf16")
+F32_MIN_ROWS, F32_BIG_ROWS, BIG_WEIGHT = 8, 32, 1 << 23
+
+
+def _f32_rows(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether x @ w.T multiplies in float32 (above)."""
+    m = x.shape[0]
+    return (m >= F32_MIN_ROWS and w.dtype == torch.bfloat16 and not NATIVE_BF16
+            and not w.is_cuda and (m >= F32_BIG_ROWS or w.numel() < BIG_WEIGHT))
+
+
 def linear(x: torch.Tensor, w, b: torch.Tensor | None = None, tile: int = 0) -> torch.Tensor:
     """x @ w.T (+ b); w a tensor or a quantized weight (quant.py: w.mm). A single row of a
     plain CPU weight goes through mv: on CPU it streams the weight ~1.7x faster than the
@@ -332,6 +350,8 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None, tile: int = 0) -> 
         y = w.mm(x)
     elif x.shape[0] == 1 and not x.is_cuda:
         y = torch.mv(w, x[0]).unsqueeze(0)
+    elif _f32_rows(x, w):
+        return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
     else:
         return F.linear(x, w, b)
     return y if b is None else y + b
