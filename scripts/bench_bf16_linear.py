@@ -69,33 +69,14 @@ def matmul_ms(rounds: int) -> dict:
 
 
 def engine_run(path: str) -> dict:
-    from shared.contracts.sampling import SamplingParams
+    from pdmesh.bench.engine_steps import prefill_then_decode
     from shared.engine.config import EngineConfig
     from shared.engine.engine import LLMEngine
 
     eng = LLMEngine(EngineConfig(model=path, dtype="bfloat16", quantize="", threads=1,
                                  kv_cache_mb=256, deterministic=False))
-    t = time.perf_counter()
-    eng.add_request("p", [200 + (i * 37) % 5000 for i in range(PREFILL)],
-                    SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-    while eng.has_unfinished:
-        eng.step()
-    res = {"prefill_512_s": time.perf_counter() - t}
-    for i in range(STREAMS):
-        eng.add_request(f"s{i}", list(range(200 + 13 * i, 240 + 17 * i)),
-                        SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True))
-    seen: set[str] = set()
-    decode_s, tokens = 0.0, 0
-    while eng.has_unfinished:
-        prefilling = len(seen) < STREAMS
-        t = time.perf_counter()
-        outs = eng.step()
-        if not prefilling:
-            decode_s += time.perf_counter() - t
-            tokens += len(outs)
-        seen.update(o.request_id for o in outs)
-    res["decode_tok_s"] = tokens / decode_s
-    return res
+    res = prefill_then_decode(eng, PREFILL, (STREAMS,), TOKENS)
+    return {"prefill_512_s": res[f"prefill_{PREFILL}_s"], "decode_tok_s": res[str(STREAMS)]}
 
 
 def engine_ab(path: str, rounds: int) -> dict:

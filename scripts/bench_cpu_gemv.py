@@ -65,36 +65,14 @@ def matmul_ms() -> dict:
 
 def decode_tps(model: str, tokens: int) -> dict:
     """Decode tokens/s per level over the steps where every sequence decodes."""
-    from shared.contracts.sampling import SamplingParams
+    from pdmesh.bench.engine_steps import prefill_then_decode
     from shared.engine.config import EngineConfig
     from shared.engine.engine import LLMEngine
 
     eng = LLMEngine(EngineConfig(model=model, dtype="bfloat16", quantize="auto",
                                  head_split=True, batch_helper=True, threads=1,
                                  kv_cache_mb=256, deterministic=False))
-    t = time.perf_counter()                     # one 512-token prompt's prefill
-    eng.add_request("p", [200 + (i * 37) % 5000 for i in range(PREFILL)],
-                    SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-    while eng.has_unfinished:
-        eng.step()
-    out = {"prefill_512_s": time.perf_counter() - t}
-    for c in LEVELS:
-        for i in range(c):
-            eng.add_request(f"{c}-{i}", list(range(200 + 13 * i, 240 + 17 * i)),
-                            SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
-        seen: set[str] = set()
-        decode_s, decode_tokens = 0.0, 0
-        while eng.has_unfinished:
-            prefilling = len(seen) < c
-            t = time.perf_counter()
-            outs = eng.step()
-            dt = time.perf_counter() - t
-            if not prefilling:
-                decode_s += dt
-                decode_tokens += len(outs)
-            seen.update(o.request_id for o in outs)
-        out[str(c)] = decode_tokens / decode_s if decode_s else None
-    return out
+    return prefill_then_decode(eng, PREFILL, LEVELS, tokens)
 
 
 def child(model: str, tokens: int) -> dict:

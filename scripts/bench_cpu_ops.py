@@ -41,7 +41,7 @@ def child(model: str, tokens: int) -> dict:
     """One engine: decode tokens/s per level, and the tokens."""
     import torch
 
-    from shared.contracts.sampling import SamplingParams
+    from pdmesh.bench.engine_steps import decode_level
     from shared.engine.config import EngineConfig
     from shared.engine.engine import LLMEngine
 
@@ -51,23 +51,8 @@ def child(model: str, tokens: int) -> dict:
                                  kv_cache_mb=256, deterministic=False))
     out = {}
     for c in LEVELS:
-        for i in range(c):
-            eng.add_request(f"{c}-{i}", list(range(200 + 13 * i, 240 + 17 * i)),
-                            SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
-        toks: dict[str, list[int]] = {}
-        decode_s, decode_tokens = 0.0, 0
-        while eng.has_unfinished:
-            prefilling = len(toks) < c     # a request's first token ends its prefill
-            t = time.perf_counter()
-            outs = eng.step()
-            dt = time.perf_counter() - t
-            if not prefilling:
-                decode_s += dt
-                decode_tokens += len(outs)
-            for o in outs:
-                toks.setdefault(o.request_id, []).extend(o.new_token_ids)
-        out[str(c)] = {"tokens_per_s": decode_tokens / decode_s if decode_s else None,
-                       "tokens": [toks[k] for k in sorted(toks)]}
+        tps, toks = decode_level(eng, c, tokens)
+        out[str(c)] = {"tokens_per_s": tps, "tokens": [toks[k] for k in sorted(toks)]}
     return out
 
 
