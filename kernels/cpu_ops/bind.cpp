@@ -38,6 +38,8 @@ at::Tensor silu_mul(const at::Tensor& x);
 // int8_gemv.cpp: the int8 weight's (the LM head's) matmul at a few rows
 bool int8_simd();
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale);
+bool float_simd();
+at::Tensor float_gemv(const at::Tensor& x, const at::Tensor& w);
 // batch_gemm.cpp: the int4 and int8 weights' matmuls at a decode batch's rows
 bool batch_simd();
 void set_batch_helper(bool on);
@@ -60,6 +62,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("codes"), py::arg("scale"), py::arg("zero"), py::arg("into") = py::none());
   m.def("int8_simd", &int8_simd, "whether int8_gemv was built with AVX-512");
   m.def("int8_gemv", &int8_gemv, "x @ w.T on an int8 weight with per-output scales");
+  m.def("float_simd", &float_simd, "whether float_gemv was built (AVX2 and FMA)");
+  m.def("float_gemv", &float_gemv, "x @ w.T on a float32 | bfloat16 weight, rows batch-invariant");
   m.def("batch_simd", &batch_simd, "whether batch_gemm.cpp was built with AVX512-BF16");
   m.def("set_batch_helper", &set_batch_helper, "int4_gemv/int8_gemv/int4_gemm/int8_gemm on a helper thread too");
   m.def("batch_helper_on", &batch_helper_on, "whether the matmuls use the helper thread now");

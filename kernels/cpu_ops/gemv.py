@@ -34,6 +34,12 @@ def int8_gemv_ready() -> bool:
     return mod is not None and mod.int8_simd()
 
 
+def float_gemv_ready() -> bool:
+    """Whether float_gemv runs here (built with AVX2 and FMA)."""
+    mod = _mod()
+    return mod is not None and mod.float_simd()
+
+
 def _mod():
     return None if os.environ.get("PDMESH_CPU_GEMV", "1") == "0" else load()
 
@@ -71,6 +77,13 @@ def int8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Te
     """int8_gemv's product for 3 rows and more (q exact in bfloat16, float32 sums, the row's
     scale after): each row's result the same bits at any row count."""
     return load().int8_gemm(x.contiguous(), q, scale)
+
+
+def float_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w [N, K].T for a plain float32 | bfloat16 weight, float32 sums, in x's
+    dtype: each row's result the same bits at any row count (deterministic mode's matmul,
+    at the cost of its own rows rather than of a padded 16-row tile)."""
+    return load().float_gemv(x, w)
 
 
 def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -32,8 +32,8 @@ class EngineConfig:
     chunk_size: int = field(default=256, metadata=_h(
         "prefill chunk: tokens of one sequence per step"))
     deterministic: bool = field(default=False, metadata=_h(
-        "batch-invariant logits (every matmul in fixed 16-row tiles): output independent of "
-        "the batch"))
+        "batch-invariant logits (every matmul row by row in a fixed order: the C++ float_gemv "
+        "for plain CPU weights, else fixed 16-row tiles): output independent of the batch"))
     max_model_len: int = field(default=0, metadata=_h(
         "context window (0: the model's max_position_embeddings)"))
     threads: int = field(default=0, metadata=_h("torch intra-op threads (0: torch default)"))

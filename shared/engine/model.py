@@ -9,6 +9,9 @@ this CPU, but not on the other rows' values or on the row's position. So in dete
 mode every matmul runs in tiles of a fixed number of rows (meta.det_tile: linear pads the
 last one), every other op is row by row, and attention runs per sequence on exactly that
 sequence's context; a request's logits are then the same whatever else is in the batch.
+A plain weight on a CPU the C++ ops run on skips the tiles: their float_gemv computes each
+row the same way at any row count, at the cost of the rows it has (a one-row decode step
+paid for 16 in the tiles).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import torch.nn.functional as F
 from kernels import cpu_ops
 from kernels.cpu_ops import load as cpu_ops_loaded
 from kernels.cpu_ops.build import cpu_has
+from kernels.cpu_ops.gemv import float_gemv, float_gemv_ready
 from kernels.kv_cache import plan_slots, write_kv
 
 from .archs import ACTIVATIONS
@@ -333,12 +337,31 @@ def _f32_rows(x: torch.Tensor, w: torch.Tensor) -> bool:
             and not w.is_cuda and (m >= F32_BIG_ROWS or w.numel() < BIG_WEIGHT))
 
 
+_FLOAT_GEMV: list[bool] = []      # float_gemv_ready(), asked once
+
+
+def _row_invariant(w) -> bool:
+    """Whether deterministic mode's x @ w.T goes through float_gemv (whose rows do not
+    depend on the batch) rather than padded tiles."""
+    if not isinstance(w, torch.Tensor) or w.is_cuda or not w.is_contiguous() \
+            or w.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if not _FLOAT_GEMV:
+        _FLOAT_GEMV.append(float_gemv_ready())
+    return _FLOAT_GEMV[0]
+
+
 def linear(x: torch.Tensor, w, b: torch.Tensor | None = None, tile: int = 0) -> torch.Tensor:
     """x @ w.T (+ b); w a tensor or a quantized weight (quant.py: w.mm). A single row of a
     plain CPU weight goes through mv: on CPU it streams the weight ~1.7x faster than the
     GEMM path (measured with bf16 weights, one thread). tile (deterministic mode): the rows
     in pieces of exactly `tile` rows, the last padded with zeros, so a row's result depends
-    on neither the batch's size nor its neighbours (and never takes the one-row path)."""
+    on neither the batch's size nor its neighbours (and never takes the one-row path); a
+    plain CPU weight where the C++ ops run goes through float_gemv instead, which has that
+    property at any row count."""
+    if tile and x.shape[0] and _row_invariant(w):
+        y = float_gemv(x, w)
+        return y if b is None else y + b
     if tile and x.shape[0]:
         M = x.shape[0]
         pad = -M % tile
