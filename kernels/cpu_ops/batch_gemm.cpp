@@ -35,7 +35,7 @@ constexpr int kNR = 4, kMR = 4;  // weight rows x rows of x per tile
 constexpr int64_t kMChunk = 64;  // rows of x per pass over the weight (x stays in L1/L2)
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-constexpr bool kSimd = true;
+constexpr bool kBatchSimd = true;
 
 // x [M, K] -> bfloat16 rows (the rows past M, to a multiple of kMR, stay zero)
 template <typename T>
@@ -126,14 +126,14 @@ void gemm(const uint16_t* xb, int64_t M, int64_t Mp, int64_t K, int64_t N, float
   share(spans * passes, item);
 }
 #else
-constexpr bool kSimd = false;
+constexpr bool kBatchSimd = false;
 #endif
 
 // x -> its rows as bfloat16, padded with zero rows to a multiple of kMR, for body (gemm);
 // the output as float32, returned in x's dtype
 template <typename Body>
 at::Tensor run(const at::Tensor& x, int64_t N, const char* name, Body body) {
-  TORCH_CHECK(kSimd, name, ": built without AVX512-BF16 (batch_simd() is false)");
+  TORCH_CHECK(kBatchSimd, name, ": built without AVX512-BF16 (batch_simd() is false)");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && !x.is_cuda(), name, ": x [M, K] contiguous CPU");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               name, ": x float32 or bfloat16");
@@ -154,7 +154,7 @@ at::Tensor run(const at::Tensor& x, int64_t N, const char* name, Body body) {
 
 }  // namespace
 
-bool batch_simd() { return kSimd; }
+bool batch_simd() { return kBatchSimd; }
 
 // whether int4_gemv, int4_gemm and int8_gemm share their work with the helper thread
 void set_batch_helper(bool on) { helper_flag().store(on); }

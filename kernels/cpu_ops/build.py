@@ -1,5 +1,5 @@
-"""The C++ extension (SOURCES: the kernel files and bind.cpp, the Python module), built once
-per source, torch version and CPU.
+"""The C++ extension (SOURCES: kernels.cpp, the kernel files as one unit, and bind.cpp, the
+Python module), built once per source, torch version and CPU.
 
 torch.utils.cpp_extension compiles it with -O3 -march=native into
 ~/.cache/pdmesh/ext/ (PDMESH_EXT_DIR), keyed by a digest of the source, the torch version
@@ -32,13 +32,14 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger("pdmesh.kernels")
-SOURCE = Path(__file__).with_name("ops.cpp")
-SOURCES = (SOURCE, *(Path(__file__).with_name(f) for f in ("bind.cpp", "kv_copy.cpp",
-                                                           "int4_gemv.cpp", "int8_gemv.cpp",
-                                                           "fused.cpp", "batch_gemm.cpp")))
-# headers: in the build's digest, not compiled alone
-HEADERS = tuple(Path(__file__).with_name(f) for f in ("aten.h", "bf16.h", "tiles.h",
-                                                                  "simd.h", "helper.h", "lanes8.h"))
+HERE = Path(__file__).parent
+# compiled: kernels.cpp (every kernel file, one unit) and bind.cpp (the Python module)
+SOURCES = (HERE / "kernels.cpp", HERE / "bind.cpp")
+# in the build's digest, not compiled alone: the kernel files kernels.cpp includes, headers
+KERNELS = tuple(HERE / f for f in ("ops.cpp", "kv_copy.cpp", "int4_gemv.cpp", "int8_gemv.cpp",
+                                   "fused.cpp", "batch_gemm.cpp"))
+HEADERS = KERNELS + tuple(HERE / f for f in ("aten.h", "bf16.h", "tiles.h", "simd.h",
+                                             "helper.h", "lanes8.h"))
 _cache: dict[str, object] = {}
 _lock = threading.Lock()
 

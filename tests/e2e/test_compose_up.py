@@ -181,3 +181,20 @@ def test_the_image_carries_no_test_lint_or_gpu_package(mesh):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "none", r.stdout
+
+
+def test_the_image_loads_its_prebuilt_ops_and_carries_no_compiler(mesh):
+    """The C++ CPU ops were built for CPU_ARCH at build time and load as they are (a service
+    that found none would warn and fall back to the slower torch path); the compiler that
+    built them is gone (the image builds them and removes g++ in one layer)."""
+    image = os.environ.get("PDMESH_IMAGE", "pdmesh:local")
+    probe = ("import shutil; from kernels.cpu_ops.build import load, build_dir; "
+             "print(sorted(c for c in ('g++', 'gcc', 'cc', 'c++', 'cpp') if shutil.which(c)) "
+             "or 'none', load() is not None, build_dir())")
+    r = subprocess.run(["docker", "run", "--rm", image, "python", "-c", probe],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    compilers, loaded, where = r.stdout.split()
+    assert compilers == "none", r.stdout
+    assert loaded == "True", r.stdout + r.stderr[-2000:]
+    assert where.startswith("/opt/pdmesh-ext/"), where

@@ -28,7 +28,7 @@ def test_a_copy_of_the_sources_elsewhere_loads_the_build_without_compiling(tmp_p
     shutil.copytree(real, ext / real.name, ignore=shutil.ignore_patterns("lock", ".ninja_lock"))
     so = next((ext / real.name).glob("pdmesh_cpu_ops*.so")).stat()
     src = tmp_path / "src"                         # the same source at another path
-    shutil.copytree(build.SOURCE.parents[2] / "kernels", src / "kernels",
+    shutil.copytree(build.HERE.parents[1] / "kernels", src / "kernels",
                     ignore=shutil.ignore_patterns("__pycache__"))
     # no compiler: a recompile fails, and load() returns None (the torch path)
     env = {**os.environ, "PDMESH_EXT_DIR": str(ext), "CXX": "/bin/false",
