@@ -16,6 +16,7 @@ paid for 16 in the tiles).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -320,7 +321,7 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int
             * torch.tensor([], dtype=dtype).element_size())
 
 
-# A CPU without bfloat16 dot products (AVX512-BF16, AMX): torch's bfloat16 GEMM runs 2-7x
+# A CPU without bfloat16 dot products (AVX512-BF16, AMX): torch's bfloat16 GEMM runs 2-8x
 # slower there than float32's from 8 rows on, the weight widened to float32 each call
 # included (scripts/bench_bf16_linear.py). The widening (~0.25 ns a weight in cache, more
 # from memory) outweighs the gain below 8 rows, and below 32 for a weight as large as an
@@ -337,7 +338,9 @@ def _f32_rows(x: torch.Tensor, w: torch.Tensor) -> bool:
             and not w.is_cuda and (m >= F32_BIG_ROWS or w.numel() < BIG_WEIGHT))
 
 
-_FLOAT_GEMV: list[bool] = []      # float_gemv_ready(), asked once
+@functools.cache
+def _float_gemv_ready() -> bool:
+    return float_gemv_ready()
 
 
 def _row_invariant(w) -> bool:
@@ -346,9 +349,28 @@ def _row_invariant(w) -> bool:
     if not isinstance(w, torch.Tensor) or w.is_cuda or not w.is_contiguous() \
             or w.dtype not in (torch.float32, torch.bfloat16):
         return False
-    if not _FLOAT_GEMV:
-        _FLOAT_GEMV.append(float_gemv_ready())
-    return _FLOAT_GEMV[0]
+    return _float_gemv_ready()
+
+
+NARROW_ROWS = 8      # above: the weight is read from cache, and widening it costs more
+
+
+def _narrowed(w: torch.Tensor) -> torch.Tensor:
+    """A float32 weight whose every value is a bfloat16 one (a checkpoint stored in
+    bfloat16, loaded as float32: most are), as those bfloat16 bits; any other weight as it
+    is. float_gemv widens bfloat16 back to float32 exactly, so its products and sums are
+    the same bits, read from half the bytes: a decode step streams every weight from
+    memory (tiny-target's float32 matmuls at one row: 1.90 -> 0.62 ms a step). Checked
+    once per weight; the copy is kept beside the weight (1.5x its memory)."""
+    n = w.__dict__.get("_bf16_exact")
+    if n is None:
+        n = False
+        if w.dtype == torch.float32:
+            b = w.to(torch.bfloat16)
+            if torch.equal(b.float(), w):
+                n = b
+        w._bf16_exact = n
+    return w if n is False else n
 
 
 def linear(x: torch.Tensor, w, b: torch.Tensor | None = None, tile: int = 0) -> torch.Tensor:
@@ -360,7 +382,7 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None, tile: int = 0) -> 
     plain CPU weight where the C++ ops run goes through float_gemv instead, which has that
     property at any row count."""
     if tile and x.shape[0] and _row_invariant(w):
-        y = float_gemv(x, w)
+        y = float_gemv(x, _narrowed(w) if x.shape[0] <= NARROW_ROWS else w)
         return y if b is None else y + b
     if tile and x.shape[0]:
         M = x.shape[0]

@@ -41,3 +41,22 @@ def test_deterministic_linear_takes_it_for_plain_weights_and_tiles_the_rest():
     assert torch.equal(model.linear(x, w, b, tile=16), float_gemv(x, w) + b)
     assert not model._row_invariant(w.T)                     # not contiguous: tiles
     assert not model._row_invariant(w.to(torch.float16))      # no float16 tile: tiles
+
+
+def test_a_float32_weight_of_bfloat16_values_is_read_as_bfloat16_with_the_same_bits():
+    """A checkpoint stored in bfloat16 and served in float32: at a decode step's few rows
+    deterministic mode reads its weights as their bfloat16 bits (half the bytes), widened
+    back exactly, so each row's result is the float32 weight's bits; at more rows, and for
+    a weight with any value bfloat16 cannot hold, the float32 weight itself."""
+    g = torch.Generator().manual_seed(5)
+    exact = (torch.randn(300, 96, generator=g) * 0.05).to(torch.bfloat16).float()
+    inexact = exact.clone()
+    inexact[7, 3] += 2 ** -20                                # one value off bfloat16's grid
+    x = torch.randn(model.NARROW_ROWS + 4, 96, generator=g)
+    for w in (exact, inexact):
+        want = float_gemv(x, w.clone())                      # a copy: never narrowed
+        for m in range(1, len(x) + 1):
+            assert torch.equal(model.linear(x[:m], w, tile=16), want[:m]), m
+    assert exact._bf16_exact.dtype == torch.bfloat16         # narrowed, and used
+    assert torch.equal(exact._bf16_exact.float(), exact)
+    assert inexact._bf16_exact is False                      # never rounded
