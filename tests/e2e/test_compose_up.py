@@ -198,3 +198,19 @@ def test_the_image_loads_its_prebuilt_ops_and_carries_no_compiler(mesh):
     assert compilers == "none", r.stdout
     assert loaded == "True", r.stdout + r.stderr[-2000:]
     assert where.startswith("/opt/pdmesh-ext/"), where
+
+
+def test_the_services_find_the_bytecode_of_what_they_load(mesh):
+    """pip installs the image's packages with --no-compile, and pdmesh.deploy.bytecode
+    compiles what the services load: a service (which cannot write into the root-owned
+    venv) compiles nothing at start, nor does each health check. Python says "could not
+    create" for every module it had to compile and could not cache."""
+    _, _, compose, env = mesh
+    name = next(s["Name"].lstrip("/") for s in _states(compose, env) if "decode" in s["Name"])
+    for cmd in (["python", "-m", "pdmesh.deploy.healthcheck", "decode"],
+                ["python", "-m", "pdmesh.deploy.bytecode", "/models/SmolLM2-135M-Instruct"]):
+        r = subprocess.run(["docker", "exec", "-e", "PYTHONVERBOSE=1", name, *cmd],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        uncached = [ln for ln in r.stderr.splitlines() if "could not create" in ln]
+        assert not uncached, f"{len(uncached)} modules compiled at start: {uncached[:5]}"
