@@ -168,18 +168,24 @@ def test_a_stream(client):
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
 
+def _in_image(probe: str) -> subprocess.CompletedProcess:
+    """`python -c probe` in a fresh container of the image (its user, its workdir)."""
+    image = os.environ.get("PDMESH_IMAGE", "pdmesh:local")
+    r = subprocess.run(["docker", "run", "--rm", image, "python", "-c", probe],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r
+
+
 def test_the_image_carries_no_test_lint_or_gpu_package(mesh):
     """The runtime image holds what the services import and nothing of development
     (pytest, ruff, hypothesis, the API clients the tests use, jsonschema, matplotlib) or of
     the GPU (triton: xgrammar needs it only for CUDA logits; the required tool call above
     ran its grammar without it)."""
-    image = os.environ.get("PDMESH_IMAGE", "pdmesh:local")
     probe = ("import importlib.util as u; print(sorted(m for m in ('pytest', 'ruff', "
              "'hypothesis', 'openai', 'anthropic', 'jsonschema', 'matplotlib', 'triton') "
              "if u.find_spec(m)) or 'none'); import xgrammar, shared.engine.grammar")
-    r = subprocess.run(["docker", "run", "--rm", image, "python", "-c", probe],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
+    r = _in_image(probe)
     assert r.stdout.strip() == "none", r.stdout
 
 
@@ -187,13 +193,10 @@ def test_the_image_loads_its_prebuilt_ops_and_carries_no_compiler(mesh):
     """The C++ CPU ops were built for CPU_ARCH at build time and load as they are (a service
     that found none would warn and fall back to the slower torch path); the compiler that
     built them is gone (the image builds them and removes g++ in one layer)."""
-    image = os.environ.get("PDMESH_IMAGE", "pdmesh:local")
     probe = ("import shutil; from kernels.cpu_ops.build import load, build_dir; "
              "print(sorted(c for c in ('g++', 'gcc', 'cc', 'c++', 'cpp') if shutil.which(c)) "
              "or 'none', load() is not None, build_dir())")
-    r = subprocess.run(["docker", "run", "--rm", image, "python", "-c", probe],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
+    r = _in_image(probe)
     compilers, loaded, where = r.stdout.split()
     assert compilers == "none", r.stdout
     assert loaded == "True", r.stdout + r.stderr[-2000:]
