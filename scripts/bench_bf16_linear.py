@@ -16,7 +16,6 @@ Writes <out>/bf16_linear_<model>_<cpu>.json and .png.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pdmesh.bench.report import save
 from shared.engine import model as engine_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,15 +137,11 @@ def main() -> int:
     res = {"model": Path(a.model).name, "cpu": cpu, "native_bf16": engine_model.NATIVE_BF16,
            "rounds": a.rounds, "matmul_ms": matmul_ms(a.rounds),
            "engine": engine_ab(a.model, a.rounds)}
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"bf16_linear_{res['model']}_{cpu}"
-    (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
-    plot(res, out / f"{stem}.png")
+    path = save(res, a.out, f"bf16_linear_{res['model']}_{cpu}", plot)
     e = res["engine"]
     log(f"engine: prefill {e['torch_bf16']['prefill_512_s'] / e['linear']['prefill_512_s']:.2f}x, "
         f"decode {e['linear']['decode_tok_s'] / e['torch_bf16']['decode_tok_s']:.2f}x; "
-        f"wrote {out}/{stem}.json")
+        f"wrote {path}.json")
     return 0
 
 
